@@ -1,0 +1,100 @@
+"""Independent recomputation of what calibration should measure.
+
+Plain transformers forward passes, no llm-compressor, no compressed-tensors hooks and
+no kvcalib code: keys and values are read from the model's own KV cache, queries are
+recomputed from the attention inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, DynamicCache
+
+FP8_E4M3_MAX = 448.0
+
+
+def _load(model_dir: Path, dtype: str):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                 attn_implementation="eager")
+    return model.eval()
+
+
+def _update(result: dict, key, amax: torch.Tensor) -> None:
+    result[key] = amax if key not in result else torch.maximum(result[key], amax)
+
+
+@torch.no_grad()
+def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str) -> dict:
+    """{(layer, "k"|"v"): per-KV-head absmax} over all samples, post-RoPE."""
+    model = _load(model_dir, dtype)
+    result: dict = {}
+    for ids in token_ids:
+        cache = DynamicCache()  # without a config every layer keeps all tokens
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        for layer, entry in enumerate(cache.layers):
+            _update(result, (layer, "k"), entry.keys.abs().amax(dim=(0, 2, 3)).float())
+            _update(result, (layer, "v"), entry.values.abs().amax(dim=(0, 2, 3)).float())
+    return result
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.no_grad()
+def q_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str) -> dict:
+    """{(layer, "q"): per-head absmax} of the post-RoPE queries (Llama-style attention)."""
+    model = _load(model_dir, dtype)
+    result: dict = {}
+    handles = []
+    for layer, block in enumerate(model.model.layers):
+        def capture(attn, args, kwargs, layer=layer):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            q = attn.q_proj(hidden).view(*hidden.shape[:-1], -1, attn.head_dim).transpose(1, 2)
+            q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+            _update(result, (layer, "q"), q.abs().amax(dim=(0, 2, 3)).float())
+
+        handles.append(block.self_attn.register_forward_pre_hook(capture, with_kwargs=True))
+    for ids in token_ids:
+        model(torch.tensor([ids]))
+    for handle in handles:
+        handle.remove()
+    return result
+
+
+def expected_scale(absmax: torch.Tensor, strategy: str, dtype: torch.dtype) -> torch.Tensor:
+    """absmax / 448 per head (attn_head) or over all heads (tensor), in the stored dtype."""
+    values = absmax if strategy == "attn_head" else absmax.max().reshape(1)
+    return (values / FP8_E4M3_MAX).to(dtype)
+
+
+def saved_scales(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every *_scale tensor of a checkpoint, read with the safetensors library."""
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    scales = {}
+    for name, file in index.items():
+        if name.endswith(("k_scale", "v_scale", "q_scale")):
+            with safe_open(ckpt / file, "pt") as f:
+                scales[name] = f.get_tensor(name)
+    return scales
+
+
+def sample_token_ids(ckpt: Path) -> list[list[int]]:
+    """The calibration samples, re-tokenized from the report's row indices."""
+    from transformers import AutoTokenizer
+
+    from kvcalib.data import DatasetSpec, load_rows
+
+    report = json.loads((ckpt / "kvcalib_report.json").read_text())
+    ds = report["dataset"]
+    rows = load_rows(DatasetSpec(ds["source"], ds["config"], ds["split"]))
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    max_len = report["samples"]["max_seq_len"]
+    return [tokenizer(rows[i][ds["text_column"]], truncation=True, max_length=max_len)["input_ids"]
+            for i in report["dataset"]["rows_used"]]

@@ -1,0 +1,50 @@
+"""`run` on tiny random models of several architectures, both strategies.
+
+Every saved scale is compared with absmax/448 recomputed from a plain transformers
+forward pass over the same token ids (tests/reference.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcalib import calibrate
+from kvcalib.data import DatasetSpec
+from reference import expected_scale, kv_absmax, sample_token_ids, saved_scales
+
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_scales_match_recomputed_absmax(arch, strategy, tiny_model, tmp_path):
+    model = tiny_model(arch)
+    out = tmp_path / "out"
+    result = calibrate(model, out, strategy=strategy, dataset=DatasetSpec("builtin"),
+                       num_samples=3, max_seq_len=48, log=lambda _: None)
+    assert result.output == out
+    report = json.loads((out / "kvcalib_report.json").read_text())
+    reference = kv_absmax(model, sample_token_ids(out), report["compute"]["dtype"])
+    scales = saved_scales(out)
+    assert len(scales) == 2 * 4  # k and v for each of the 4 layers
+    for layer in range(4):
+        for kind in ("k", "v"):
+            saved = scales[f"model.layers.{layer}.self_attn.{kind}_scale"]
+            assert saved.shape == ((2, 1, 1) if strategy == "attn_head" else (1,))
+            assert saved.dtype == torch.bfloat16
+            want = expected_scale(reference[(layer, kind)], strategy, torch.bfloat16)
+            torch.testing.assert_close(saved.flatten().float(), want.float(), rtol=2**-8, atol=0)
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert scheme["kv_cache_scheme"]["strategy"] == strategy
+
+
+def test_model_without_attention_is_refused(tiny_model, tmp_path):
+    from kvcalib.errors import UsageError
+
+    with pytest.raises(UsageError, match="MambaForCausalLM has no attention layers"):
+        calibrate(tiny_model("mamba"), tmp_path / "out", dataset=DatasetSpec("builtin"),
+                  num_samples=1, max_seq_len=16, log=lambda _: None)
+    assert not (tmp_path / "out").exists()
