@@ -413,6 +413,9 @@ def _collect_scales(scales: dict[str, Any], recorder: _AbsmaxRecorder, observer:
         if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
             raise CheckFailed(f"{tensor_name} came out {scale.tolist()}: not finite and "
                               "positive; nothing was saved")
+        if bool((seen == 0).any()):
+            raise CheckFailed(f"{tensor_name}: every {kind} value seen was 0 (absmax per head "
+                              f"{seen.tolist()}), so no scale can be measured; nothing was saved")
         expected = (seen if scale.numel() > 1 else seen.max().reshape(1)) / FP8_E4M3_MAX
         if observer == "static_minmax" and not torch.allclose(scale, expected, rtol=SCALE_RTOL):
             raise CheckFailed(f"{tensor_name} is {scale.tolist()}, but the absmax seen gives "

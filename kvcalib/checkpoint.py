@@ -277,8 +277,10 @@ def atomic_output_dir(target: Path) -> Iterator[Path]:
     until the new folder is complete.
     """
     target = Path(target)
+    _remove_stale_temporaries(target)
+    prefix = f".{target.name}.kvcalib-tmp-{os.getpid()}-"
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.kvcalib-tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     except OSError as exc:
         raise UsageError(f"cannot write to {target.parent}: {exc}") from None
     try:
@@ -304,3 +306,11 @@ def atomic_output_dir(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Remove temporary folders that killed runs left beside `target`."""
+    for path in target.parent.glob(f".{target.name}.kvcalib-tmp-*"):
+        pid = path.name.removeprefix(f".{target.name}.kvcalib-tmp-").split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)

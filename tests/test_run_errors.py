@@ -1,0 +1,210 @@
+"""Bad input to `kvcalib run`: a clear message, the documented exit code, nothing lost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import KVCALIB, run_kvcalib
+from kvcalib import calibrate
+from kvcalib.data import DatasetSpec
+from kvcalib.errors import CheckFailed
+
+
+def _run(model, output, *extra, **kwargs):
+    return run_kvcalib("run", "--model", model, "--output", output, "--dataset", "builtin",
+                       "--num-samples", 2, "--max-seq-len", 16, *extra, **kwargs)
+
+
+def _assert_error(result, code: int, message: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        stat = path.stat()
+        h.update(f"{path.relative_to(folder)} {stat.st_mode} {stat.st_mtime_ns}".encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def test_missing_model_path(tmp_path):
+    _assert_error(_run(tmp_path / "nope", tmp_path / "out"), 2, "model folder not found")
+
+
+def test_hub_id_offline_fails_fast(tmp_path):
+    started = time.monotonic()
+    result = _run("some-org/some-model", tmp_path / "out", env={**__import__("os").environ,
+                                                               "HF_HUB_OFFLINE": "1"})
+    _assert_error(result, 2, "is not a local folder, and the Hugging Face Hub cannot be reached")
+    assert time.monotonic() - started < 60
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    _assert_error(_run(tmp_path / "m", tmp_path / "out"), 2, "has no config.json")
+
+
+def test_folder_that_is_not_a_causal_lm(tmp_path):
+    from transformers import ResNetConfig
+
+    ResNetConfig().save_pretrained(tmp_path / "m")
+    _assert_error(_run(tmp_path / "m", tmp_path / "out"), 2, "is not a causal language model")
+
+
+def test_model_without_attention_layers(tiny_model, tmp_path):
+    _assert_error(_run(tiny_model("mamba"), tmp_path / "out"), 2,
+                  "MambaForCausalLM has no attention layers llm-compressor can hook")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--strategy", "channel", "unknown strategy 'channel'"),
+    ("--observer", "avg", "unknown observer 'avg'"),
+    ("--pipeline", "fast", "unknown pipeline 'fast'"),
+    ("--num-samples", "0", "--num-samples must be positive, got 0"),
+    ("--max-seq-len", "-5", "--max-seq-len must be positive, got -5"),
+])
+def test_bad_options(option, value, message, tiny_model, tmp_path):
+    _assert_error(_run(tiny_model("llama"), tmp_path / "out", option, value), 2, message)
+    assert not (tmp_path / "out").exists()
+
+
+def _with_dataset(model, tmp_path, dataset: Path):
+    return run_kvcalib("run", "--model", model, "--output", tmp_path / "out", "--dataset",
+                       dataset, "--num-samples", 2, "--max-seq-len", 16)
+
+
+def test_missing_dataset(tiny_model, tmp_path):
+    _assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "none.jsonl"), 2,
+                  "dataset not found")
+
+
+def test_empty_dataset(tiny_model, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    _assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "empty.jsonl"), 2,
+                  "empty.jsonl")
+
+
+def test_dataset_without_text_column(tiny_model, tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"label": 1, "score": 0.5}\n' * 3)
+    _assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "d.jsonl"), 2,
+                  "has no text or messages column (columns: ['label', 'score'])")
+
+
+def test_output_not_empty_needs_overwrite(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    _assert_error(_run(tiny_model("llama"), out), 2, "exists and is not empty")
+    assert (out / "keep.txt").read_text() == "precious"
+    result = _run(tiny_model("llama"), out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert not (out / "keep.txt").exists() and (out / "kv_scales.safetensors").exists()
+
+
+def test_output_inside_the_model_folder(tiny_model):
+    model = tiny_model("llama")
+    before = _tree_digest(model)
+    _assert_error(_run(model, model / "calibrated"), 2, "is inside the input model folder")
+    _assert_error(_run(model, model.parent, "--overwrite"), 2, "contains the input model folder")
+    assert _tree_digest(model) == before
+
+
+def test_input_folder_is_never_modified(tiny_model, tmp_path):
+    model = tiny_model("qwen3")
+    before = _tree_digest(model)
+    assert _run(model, tmp_path / "out").returncode == 0
+    assert _tree_digest(model) == before
+
+
+def test_write_failure_leaves_nothing(demo_model, tmp_path):
+    out = tmp_path / "out"
+
+    def small_file_limit():  # the 269 MB weight copy fails with EFBIG, like a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10 * 2**20, 10 * 2**20))
+
+    result = _run(demo_model, out, preexec_fn=small_file_limit)
+    _assert_error(result, 2, f"writing {out} failed")
+    assert "File too large" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _zeroed_model(tiny_model, tmp_path, value: float) -> Path:
+    """A tiny Llama whose first layer's k_proj makes every key `value` (0 or NaN)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.fill_(value)
+    folder = tmp_path / "broken"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_model("llama") / name).read_bytes())
+    return folder
+
+
+def test_zero_scale_is_a_failure_not_a_checkpoint(tiny_model, tmp_path):
+    model = _zeroed_model(tiny_model, tmp_path, 0.0)
+    _assert_error(_run(model, tmp_path / "out"), 1,
+                  "model.layers.0.self_attn.k_scale: every k value seen was 0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_scale_is_a_failure_not_a_checkpoint(tiny_model, tmp_path):
+    with pytest.raises(CheckFailed, match="k_scale came out \\[nan\\]"):
+        calibrate(_zeroed_model(tiny_model, tmp_path, float("nan")), tmp_path / "out",
+                  dataset=DatasetSpec("builtin"), num_samples=2, max_seq_len=16,
+                  log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def _start(model, out, *extra) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(KVCALIB), "run", "--model", str(model), "--output", str(out), "--dataset",
+         "builtin", "--num-samples", "64", "--max-seq-len", "256", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(process: subprocess.Popen, marker: str) -> None:
+    for line in process.stderr:
+        if line.startswith(marker):
+            return
+    raise AssertionError(f"{marker!r} never printed; exit {process.wait()}")
+
+
+def test_sigterm_while_calibrating_leaves_nothing(demo_model, tmp_path):
+    process = _start(demo_model, tmp_path / "out")
+    _wait_for(process, "Calibrating")
+    time.sleep(2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kill_while_writing_leaves_no_output_and_keeps_the_old_one(demo_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous checkpoint")
+    process = _start(demo_model, out, "--num-samples", "1", "--max-seq-len", "16", "--overwrite")
+    _wait_for(process, "Writing")
+    process.kill()
+    process.wait(timeout=60)
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert (out / "old.txt").read_text() == "previous checkpoint"
+    # The next run removes what the killed one left behind and completes.
+    result = _run(demo_model, out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert json.loads((out / "kvcalib_report.json").read_text())["samples"]["used"] == 2
