@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
 
-import click
 import typer
 
 from kvcalib.errors import KvcalibError
@@ -85,6 +84,50 @@ def run(
     typer.echo(f"Report:     {result.output / REPORT_FILE}")
 
 
+@app.command()
+def verify(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
+    static_only: Annotated[bool, typer.Option(
+        "--static-only", help="Only read config and scales; do not start vLLM.")] = False,
+    vllm_python: Annotated[str | None, typer.Option(
+        help="Python of the serving environment [default: $KVCALIB_VLLM_PYTHON, this "
+             "interpreter if it has vLLM, or the env `make setup` made].")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="vLLM kv_cache_dtype for the engine check.")] = "fp8",
+    max_model_len: Annotated[int | None, typer.Option(help="vLLM max_model_len.")] = None,
+    kv_cache_dtype_skip_layers: Annotated[list[str] | None, typer.Option(
+        help="Layers vLLM keeps unquantized (indices or sliding_window); repeat or use "
+             "commas.")] = None,
+    compare_auto: Annotated[bool, typer.Option(
+        "--compare-auto", help="Also start vLLM with the model-dtype cache and compare "
+             "capacity, greedy outputs and prompt log-probs.")] = False,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write every check, value and finding as JSON.")] = None,
+    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML for CI.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(
+        help="Where to save vLLM's logs [default: beside --json, else "
+             "./kvcalib-verify-logs/NAME].")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each engine.")] = 1200,
+) -> None:
+    """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
+    from kvcalib.report import junit_xml, verify_summary, write_json
+    from kvcalib.verify import verify as run_verify
+
+    skip = [part for item in kv_cache_dtype_skip_layers or [] for part in item.split(",") if part]
+    if log_dir is None and json_path is not None:
+        log_dir = json_path.resolve().parent
+    result = run_verify(checkpoint, static_only=static_only, vllm_python=vllm_python,
+                        kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                        skip_layers=skip, compare_auto=compare_auto, log_dir=log_dir,
+                        timeout=timeout, log=_info)
+    if json_path:
+        write_json(json_path, result.to_dict())
+    if junit:
+        junit.write_text(junit_xml("kvcalib.verify", result.checks))
+    typer.echo(verify_summary(result))
+    raise typer.Exit(result.exit_code)
+
+
 @app.command("demo-model")
 def demo_model(
     dest: Annotated[Path | None, typer.Option(
@@ -128,10 +171,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = app(standalone_mode=False)
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         typer.echo("Interrupted; nothing was written.", err=True)
         sys.exit(130)
-    except click.ClickException as exc:
+    except typer.TyperException as exc:  # bad command line: click's message, exit 2
         exc.show()
         sys.exit(exc.exit_code)
     except KvcalibError as exc:

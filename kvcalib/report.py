@@ -50,4 +50,51 @@ def calibration_summary(report: dict[str, Any]) -> str:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+_STATUS_ORDER = ["fail", "error", "warn", "pass", "skip"]
+_SHOWN_PER_GROUP = 6
+
+
+def verify_summary(result) -> str:
+    """One line per check group; failures listed one by one (at most a few per group)."""
+    rows = []
+    groups: dict[str, list] = {}
+    for check in result.checks:
+        groups.setdefault(check.group, []).append(check)
+    for group, checks in groups.items():
+        worst = min((c.status for c in checks), key=_STATUS_ORDER.index)
+        shown = [c for c in checks if c.status == worst]
+        if worst in ("pass", "skip") and len(shown) > 1:
+            verb = "passed" if worst == "pass" else "skipped"
+            rows.append([group, worst, f"{len(shown)} checks {verb}, e.g. {shown[0].message}"])
+            continue
+        for check in shown[:_SHOWN_PER_GROUP]:
+            rows.append([group, check.status, check.message])
+        if len(shown) > _SHOWN_PER_GROUP:
+            rows.append([group, worst, f"... and {len(shown) - _SHOWN_PER_GROUP} more"])
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR (could not verify)"}[result.exit_code]
+    return (f"Checkpoint: {result.checkpoint}\n" + table(["check", "status", "detail"], rows)
+            + f"\nResult: {verdict} (exit code {result.exit_code})")
+
+
+def junit_xml(suite: str, checks) -> str:
+    """JUnit XML for CI systems: one test case per check."""
+    import xml.etree.ElementTree as ET
+
+    counts = {s: sum(c.status == s for c in checks) for s in _STATUS_ORDER}
+    root = ET.Element("testsuite", name=suite, tests=str(len(checks)),
+                      failures=str(counts["fail"]), errors=str(counts["error"]),
+                      skipped=str(counts["skip"]))
+    for index, check in enumerate(checks):
+        name = f"{check.group}[{index}]" + (f" layer {check.layer}" if check.layer is not None
+                                            else "")
+        case = ET.SubElement(root, "testcase", classname=f"{suite}.{check.group}", name=name)
+        tag = {"fail": "failure", "error": "error", "skip": "skipped"}.get(check.status)
+        if tag:
+            ET.SubElement(case, tag, message=check.message)
+        else:
+            ET.SubElement(case, "system-out").text = check.message
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -1,0 +1,140 @@
+"""What a model's config.json says about its KV cache: which layers hold one, and its shape.
+
+Shared by `verify` (which layers need scales, of which shape) and `estimate` (bytes per
+token). Reads plain dicts, so it needs no transformers and knows no model classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvcalib.errors import UsageError
+
+FULL, SLIDING, NONE = "full", "sliding", "none"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's cache: full attention, a sliding window, or none (Mamba, MLP...)."""
+
+    index: int
+    kind: str
+    window: int | None = None
+    block_type: str = "attention"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[Layer, ...]
+    dtype: str
+    # DeepSeek-style MLA caches one latent of kv_lora_rank + rope dims per token and layer.
+    mla_latent_dim: int | None = None
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [layer.index for layer in self.layers if layer.kind != NONE]
+
+    @property
+    def elements_per_token_per_layer(self) -> int:
+        """Cached elements for one token in one attention layer (K and V, or the latent)."""
+        if self.mla_latent_dim is not None:
+            return self.mla_latent_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+def _first(config: dict[str, Any], *names: str) -> Any:
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return None
+
+
+def _required(config: dict[str, Any], *names: str) -> int:
+    value = _first(config, *names)
+    if value is None:
+        raise UsageError(f"config.json has no {names[0]} (looked for {', '.join(names)}); "
+                         "cannot tell the KV cache's shape")
+    return int(value)
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs nest the language model's config under text_config."""
+    nested = config.get("text_config") or config.get("llm_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def geometry(config: dict[str, Any]) -> Geometry:
+    cfg = text_config(config)
+    num_layers = _required(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    num_heads = _required(cfg, "num_attention_heads", "n_head", "num_heads")
+    if cfg.get("multi_query"):
+        num_kv_heads = 1
+    else:
+        num_kv_heads = int(_first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads")
+                           or num_heads)
+    head_dim = _first(cfg, "head_dim")
+    if head_dim is None:
+        head_dim = _required(cfg, "hidden_size", "n_embd", "d_model") // num_heads
+    mla = None
+    if cfg.get("kv_lora_rank") is not None:
+        mla = int(cfg["kv_lora_rank"]) + _required(cfg, "qk_rope_head_dim")
+    dtype = str(_first(cfg, "torch_dtype", "dtype") or "bfloat16")
+    return Geometry(
+        model_type=str(cfg.get("model_type", "?")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(head_dim),
+        layers=tuple(_layers(cfg, num_layers)),
+        dtype=dtype,
+        mla_latent_dim=mla,
+    )
+
+
+def _layers(cfg: dict[str, Any], num_layers: int) -> list[Layer]:
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])
+        return [_from_type(i, t, window, cfg) for i, t in enumerate(types[:num_layers])]
+    if cfg.get("layers_block_type"):  # Jamba, Granite hybrid: "attention" / "mamba"
+        return [Layer(i, FULL if "attention" in t else NONE, block_type=t)
+                for i, t in enumerate(cfg["layers_block_type"][:num_layers])]
+    if cfg.get("hybrid_override_pattern"):  # Nemotron-H: "*" attention, "M" Mamba, "-" MLP
+        names = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
+        return [Layer(i, FULL if c == "*" else NONE, block_type=names.get(c, c))
+                for i, c in enumerate(cfg["hybrid_override_pattern"][:num_layers])]
+    if cfg.get("attn_layer_period"):  # older Jamba configs
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return [Layer(i, FULL, block_type="attention") if i % period == offset
+                else Layer(i, NONE, block_type="mamba") for i in range(num_layers)]
+    if window is None:
+        return [Layer(i, FULL) for i in range(num_layers)]
+    if cfg.get("max_window_layers") is not None:  # Qwen2: the top layers use the window
+        first = int(cfg["max_window_layers"])
+        return [Layer(i, SLIDING, window) if i >= first else Layer(i, FULL)
+                for i in range(num_layers)]
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern:  # older Gemma3 configs: every pattern-th layer is global
+        return [Layer(i, FULL) if (i + 1) % int(pattern) == 0 else Layer(i, SLIDING, window)
+                for i in range(num_layers)]
+    return [Layer(i, SLIDING, window) for i in range(num_layers)]  # Mistral-style
+
+
+def _from_type(index: int, layer_type: str, window: int | None, cfg: dict[str, Any]) -> Layer:
+    if layer_type in ("sliding_attention", "local_attention", "sliding_window"):
+        return Layer(index, SLIDING if window else FULL, window, layer_type)
+    if layer_type == "chunked_attention":  # Llama 4: attention within fixed chunks
+        chunk = cfg.get("attention_chunk_size")
+        return Layer(index, SLIDING if chunk else FULL, chunk, layer_type)
+    if layer_type in ("full_attention", "attention", "global_attention"):
+        return Layer(index, FULL, None, layer_type)
+    return Layer(index, NONE, None, layer_type)  # linear attention, Mamba, conv, ...
