@@ -27,6 +27,8 @@ INDEX_NAME = "model.safetensors.index.json"
 # Header sizes above this are corrupt, not large: a 1 TB model's header is a few MB.
 MAX_HEADER_BYTES = 100 * 2**20
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a hub model download fetches (`estimate` fetches only config.json).
+MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
 class CheckpointError(CheckFailed):
@@ -45,17 +47,42 @@ def resolve_model(ref: str) -> Path:
         if not (path / "config.json").is_file():
             raise UsageError(f"{ref} has no config.json: it is not a Hugging Face model folder")
         return path.resolve()
+    _check_hub_id(ref)
+    return _download_from_hub(ref, MODEL_FILES)
+
+
+def resolve_config(ref: str) -> dict[str, Any]:
+    """config.json of a local folder, a config file itself, or a hub id (fetching only that
+    file), for commands that need the model's shape but not its weights."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        folder, name = path.parent, path.name
+    elif path.is_dir():
+        folder, name = path, "config.json"
+    else:
+        _check_hub_id(ref)
+        folder, name = _download_from_hub(ref, ["config.json"]), "config.json"
+    try:
+        config = json.loads((folder / name).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{folder} has no {name}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{folder / name} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{folder / name} is not a model config (a JSON object)")
+    return config
+
+
+def _check_hub_id(ref: str) -> None:
     if not HUB_ID.match(ref) or ref.startswith((".", "/", "~")):
         raise UsageError(f"model folder not found: {ref}")
-    return _download_from_hub(ref)
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def _download_from_hub(repo_id: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     from kvcalib.hub import hub_reachable
 
-    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
     offline = not hub_reachable()
     try:
         folder = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline)
@@ -95,7 +122,7 @@ class TensorInfo:
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The JSON header and the offset where tensor data starts; validated against size."""
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:  # unbuffered: read the header and nothing more
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path.name}: truncated: {size} bytes, no safetensors header")
@@ -198,7 +225,7 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", *_FP8}
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """One tensor's values as float64 (or its integer type); reads only its bytes."""
-    with open(info.file, "rb") as f:
+    with open(info.file, "rb", buffering=0) as f:
         f.seek(info.start)
         raw = f.read(info.end - info.start)
     if info.dtype == "BF16":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvcalib.corpus import kvcalib_home
 from kvcalib.errors import UsageError
@@ -138,3 +141,40 @@ def run_probe(python: str, model: Path, kv_cache_dtype: str, log_path: Path, *,
     text = log_path.read_text(errors="replace")
     return ProbeRun(kv_cache_dtype, result, log_path, parse_log(text),
                     round(time.perf_counter() - started, 1))
+
+
+def compare_runs(fp8: ProbeRun, base: ProbeRun) -> dict[str, Any]:
+    """FP8 against the model-dtype cache: capacity, greedy outputs, prompt log-probs."""
+    comparison: dict[str, Any] = {"fp8": fp8.kv_cache_dtype, "auto": base.kv_cache_dtype}
+    if fp8.facts.capacity and base.facts.capacity:
+        tokens = fp8.facts.capacity["tokens"], base.facts.capacity["tokens"]
+        comparison["capacity"] = {"fp8_tokens": tokens[0], "auto_tokens": tokens[1],
+                                  "ratio": round(tokens[0] / tokens[1], 3)}
+    outputs = fp8.result.get("outputs"), base.result.get("outputs")
+    if not all(outputs):
+        comparison["outputs"] = None
+        return comparison
+    agree = total = 0
+    diffs = []
+    pairs = list(zip(*outputs, strict=True))
+    for a, b in pairs:
+        for (_, lp_a, top_a), (_, lp_b, top_b) in zip(a["prompt_logprobs"], b["prompt_logprobs"],
+                                                      strict=True):
+            agree += top_a == top_b
+            total += 1
+            diffs.append(abs(lp_a - lp_b))
+    comparison["outputs"] = {
+        "prompts": len(outputs[0]), "positions": total,
+        "top1_agreement": round(agree / total, 4) if total else None,
+        "mean_abs_logprob_diff": round(float(np.mean(diffs)), 5) if diffs else None,
+        "greedy_identical": sum(a["token_ids"] == b["token_ids"] for a, b in pairs),
+        "greedy": [{"fp8": a["text"], "auto": b["text"]} for a, b in pairs],
+        "ppl_fp8": _perplexity(outputs[0]), "ppl_auto": _perplexity(outputs[1]),
+    }
+    return comparison
+
+
+def _perplexity(outputs: list[dict[str, Any]]) -> float:
+    """exp(mean negative log-prob) of the prompt tokens, over all prompts."""
+    logprobs = [lp for output in outputs for _, lp, _ in output["prompt_logprobs"]]
+    return round(math.exp(-sum(logprobs) / len(logprobs)), 5)

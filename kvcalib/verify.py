@@ -25,31 +25,15 @@ from typing import Any
 import numpy as np
 
 from kvcalib import checkpoint, corpus, engine, geometry, layouts
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import KvcalibError, UsageError
 
-PASS, FAIL, ERROR, SKIP, WARN = "pass", "fail", "error", "skip", "warn"
 # A scale times 448 is the largest |K|, |V| or |Q| it represents. Real activations stay
 # far inside these bounds; values outside are uninitialized memory or a unit mix-up.
 MIN_PLAUSIBLE_ABSMAX = 1e-6
 MAX_PLAUSIBLE_ABSMAX = 1e6
 FP8_E4M3_MAX = 448.0
 SMALLEST_NORMAL_FP32 = 2.0**-126  # smaller non-zero values are denormals (1e-39 and such)
-
-
-@dataclass
-class Check:
-    """One verified fact. `layer`, `tensor` and `value` say exactly what was looked at.
-
-    `group` gathers checks for the summary table: config, scheme, weights, scales,
-    engine, log, readback, capacity, compare.
-    """
-
-    group: str
-    status: str
-    message: str
-    layer: int | None = None
-    tensor: str | None = None
-    value: Any = None
 
 
 @dataclass
@@ -61,8 +45,7 @@ class VerifyResult:
 
     @property
     def exit_code(self) -> int:
-        statuses = {c.status for c in self.checks}
-        return 1 if FAIL in statuses else 2 if ERROR in statuses else 0
+        return exit_code(self.checks)
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "exit_code": self.exit_code,
@@ -257,7 +240,7 @@ def verify(
         result.engine["runs"][label] = _run_summary(probes[label])
     checks += _engine_checks(probes[kv_cache_dtype], found)
     if compare_auto:
-        comparison = _compare(*probes.values())
+        comparison = engine.compare_runs(*probes.values())
         result.engine["compare_auto"] = comparison
         checks += _compare_checks(comparison)
     return result
@@ -360,36 +343,6 @@ def _compare_scale(layer: int, kind: str, entry: dict[str, Any], found: StaticSc
                      value={"engine": got.tolist(), "checkpoint": want.tolist()})
     return Check("readback", PASS, f"layer {layer} {kind}_scale loaded as {_short(got.tolist())}",
                  layer, value=got.tolist())
-
-
-def _compare(fp8: engine.ProbeRun, base: engine.ProbeRun) -> dict[str, Any]:
-    """FP8 against the model-dtype cache: capacity, greedy outputs, prompt log-probs."""
-    comparison: dict[str, Any] = {"fp8": fp8.kv_cache_dtype, "auto": base.kv_cache_dtype}
-    if fp8.facts.capacity and base.facts.capacity:
-        tokens = fp8.facts.capacity["tokens"], base.facts.capacity["tokens"]
-        comparison["capacity"] = {"fp8_tokens": tokens[0], "auto_tokens": tokens[1],
-                                  "ratio": round(tokens[0] / tokens[1], 3)}
-    outputs = fp8.result.get("outputs"), base.result.get("outputs")
-    if not all(outputs):
-        comparison["outputs"] = None
-        return comparison
-    agree = total = 0
-    diffs = []
-    pairs = list(zip(*outputs, strict=True))
-    for a, b in pairs:
-        for (_, lp_a, top_a), (_, lp_b, top_b) in zip(a["prompt_logprobs"], b["prompt_logprobs"],
-                                                      strict=True):
-            agree += top_a == top_b
-            total += 1
-            diffs.append(abs(lp_a - lp_b))
-    comparison["outputs"] = {
-        "prompts": len(outputs[0]), "positions": total,
-        "top1_agreement": round(agree / total, 4) if total else None,
-        "mean_abs_logprob_diff": round(float(np.mean(diffs)), 5) if diffs else None,
-        "greedy_identical": sum(a["token_ids"] == b["token_ids"] for a, b in pairs),
-        "greedy": [{"fp8": a["text"], "auto": b["text"]} for a, b in pairs],
-    }
-    return comparison
 
 
 def _compare_checks(comparison: dict[str, Any]) -> list[Check]:

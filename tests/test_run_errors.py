@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import KVCALIB, run_kvcalib
+from conftest import KVCALIB, run_kvcalib, tree_digest
 from kvcalib import calibrate
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import CheckFailed
@@ -28,16 +27,6 @@ def _assert_error(result, code: int, message: str) -> None:
     assert result.returncode == code, (result.returncode, result.stderr)
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-
-
-def _tree_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        stat = path.stat()
-        h.update(f"{path.relative_to(folder)} {stat.st_mode} {stat.st_mtime_ns}".encode())
-        if path.is_file():
-            h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def test_missing_model_path(tmp_path):
@@ -116,17 +105,17 @@ def test_output_not_empty_needs_overwrite(tiny_model, tmp_path):
 
 def test_output_inside_the_model_folder(tiny_model):
     model = tiny_model("llama")
-    before = _tree_digest(model)
+    before = tree_digest(model)
     _assert_error(_run(model, model / "calibrated"), 2, "is inside the input model folder")
     _assert_error(_run(model, model.parent, "--overwrite"), 2, "contains the input model folder")
-    assert _tree_digest(model) == before
+    assert tree_digest(model) == before
 
 
 def test_input_folder_is_never_modified(tiny_model, tmp_path):
     model = tiny_model("qwen3")
-    before = _tree_digest(model)
+    before = tree_digest(model)
     assert _run(model, tmp_path / "out").returncode == 0
-    assert _tree_digest(model) == before
+    assert tree_digest(model) == before
 
 
 def test_write_failure_leaves_nothing(demo_model, tmp_path):

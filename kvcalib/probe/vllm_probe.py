@@ -6,10 +6,10 @@ neither kvcalib nor anything outside vLLM's own dependencies. kvcalib runs it as
     python vllm_probe.py REQUEST.json RESULT.json
 
 and reads its stdout/stderr as the engine log. REQUEST holds: model, kv_cache_dtype,
-max_model_len, skip_layers, prompts, max_tokens, cpu_kv_space_gib. RESULT gets:
-vllm_version, platform, started, error, start_seconds, scales (per attention layer:
-the loaded _k/_v/_q_scale tensors and the floats the backends use) and outputs
-(greedy tokens and per-position prompt log-probs).
+max_model_len, skip_layers, prompts (texts or token-id lists), max_tokens and
+cpu_kv_space_gib. RESULT gets: vllm_version, platform, started, error, start_seconds,
+scales (per attention layer: the loaded _k/_v/_q_scale tensors and the floats the
+backends use) and outputs (greedy tokens and per-position prompt log-probs).
 
 Exit codes: 0 ok, 3 vLLM cannot be imported, 4 the engine failed to start.
 """
@@ -51,6 +51,8 @@ def _outputs(llm, prompts, max_tokens):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=1)
+    # A prompt is text, or a list of token ids (the exact tokens another run scored).
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     results = []
     for output in llm.generate(prompts, params, use_tqdm=False):
         positions = []
