@@ -128,6 +128,78 @@ def verify(
     raise typer.Exit(result.exit_code)
 
 
+@app.command()
+def estimate(
+    model: Annotated[str, typer.Argument(
+        help="Model folder, its config.json, or a hub id (only config.json is fetched).")],
+    context_length: Annotated[int | None, typer.Option(
+        "--context-length", "-T", help="Tokens per request (default: the model's "
+        "max_position_embeddings).")] = None,
+    batch: Annotated[int, typer.Option("--batch", "-B", help="Requests, for the total.")] = 1,
+    budget: Annotated[str | None, typer.Option(
+        help="KV-cache memory: GiB as a plain number, or with a unit (16GiB, 512MiB, 80GB). "
+             "Adds tokens that fit (budget / bytes per token with every attention layer "
+             "full, in whole blocks) and max concurrency (budget // bytes of one request of "
+             "--context-length tokens, sliding windows applied).")] = None,
+    block_size: Annotated[int, typer.Option(
+        help="Tokens per KV block for the budget figures: vLLM's GPU backends default to "
+             "16, its CPU backend uses 128 (16 for MLA).")] = 16,
+    kivi_group_size: Annotated[int, typer.Option(
+        help="KIVI group: tokens per key group, channels per value group.")] = 32,
+    kivi_residual: Annotated[int, typer.Option(
+        help="KIVI: most recent tokens kept in 16 bits.")] = 128,
+    kv_cache_dtype_skip_layers: Annotated[list[str] | None, typer.Option(
+        help="Layers vLLM keeps 16-bit (indices or sliding_window); repeat or use "
+             "commas.")] = None,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the estimate as JSON instead of the table.")] = False,
+) -> None:
+    """KV-cache bytes per token and per request in 16-bit, fp8 and 2-bit KIVI, and what fits
+    in a memory budget. Only attention layers count; Mamba and other layers are listed."""
+    from kvcalib.capacity import Kivi, summary
+    from kvcalib.capacity import estimate as run_estimate
+
+    result = run_estimate(model, context_length=context_length, batch=batch, budget=budget,
+                          block_size=block_size, kivi=Kivi(kivi_group_size, kivi_residual),
+                          skip_layers=kv_cache_dtype_skip_layers)
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+        return
+    typer.echo(summary(result))
+
+
+@app.command("inspect")
+def inspect_scales(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
+    plot: Annotated[Path | None, typer.Option(
+        help="Write a PNG of the scales by layer and head (a heatmap per kind for "
+             "attn_head).")] = None,
+    heads: Annotated[bool, typer.Option(
+        "--heads", help="Also list every head's scale (attn_head).")] = False,
+    outlier_ratio: Annotated[float, typer.Option(
+        help="Flag scales more than this many times above or below the median "
+             "layer's.")] = 4.0,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print every scale, ratio and flag as JSON instead of the table.")] = False,
+) -> None:
+    """Show a checkpoint's KV scales per layer and head, the absmax they imply and outliers;
+    reads the calibration report when present. Needs no engine."""
+    from kvcalib.inspection import inspect, summary
+    from kvcalib.inspection import plot as draw
+
+    result = inspect(checkpoint, outlier_ratio=outlier_ratio)
+    if plot is not None:
+        _info(f"Plot: {draw(result, plot)}")
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+        return
+    typer.echo(summary(result, heads=heads))
+
+
 @app.command("demo-model")
 def demo_model(
     dest: Annotated[Path | None, typer.Option(

@@ -13,6 +13,13 @@ from kvcalib.errors import UsageError
 
 FULL, SLIDING, NONE = "full", "sliding", "none"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# transformers' own default when a config with a sliding window has neither layer_types nor
+# sliding_window_pattern (config.json leaves out values equal to the class's defaults).
+DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+# Fields whose class defaults change the KV cache's shape (see complete_config).
+KV_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "sliding_window", "layer_types",
+             "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -74,18 +81,22 @@ def geometry(config: dict[str, Any]) -> Geometry:
     cfg = text_config(config)
     num_layers = _required(cfg, "num_hidden_layers", "n_layer", "num_layers")
     num_heads = _required(cfg, "num_attention_heads", "n_head", "num_heads")
-    if cfg.get("multi_query"):
+    # Falcon-40B/180B set new_decoder_architecture and count KV heads in num_kv_heads; only
+    # older Falcon and StarCoder configs mean one KV head by multi_query (as vLLM reads them).
+    if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
         num_kv_heads = 1
     else:
         num_kv_heads = int(_first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads")
                            or num_heads)
-    head_dim = _first(cfg, "head_dim")
+    head_dim = _first(cfg, "head_dim", "attention_head_dim")  # Nemotron-H: attention_head_dim
     if head_dim is None:
         head_dim = _required(cfg, "hidden_size", "n_embd", "d_model") // num_heads
     mla = None
     if cfg.get("kv_lora_rank") is not None:
         mla = int(cfg["kv_lora_rank"]) + _required(cfg, "qk_rope_head_dim")
-    dtype = str(_first(cfg, "torch_dtype", "dtype") or "bfloat16")
+    # A nested text_config may say dtype None where the outer config has it.
+    dtype = str(_first(cfg, "torch_dtype", "dtype") or _first(config, "torch_dtype", "dtype")
+                or "bfloat16")
     return Geometry(
         model_type=str(cfg.get("model_type", "?")),
         num_layers=num_layers,
@@ -105,8 +116,8 @@ def _layers(cfg: dict[str, Any], num_layers: int) -> list[Layer]:
     if cfg.get("layer_types"):
         types = list(cfg["layer_types"])
         return [_from_type(i, t, window, cfg) for i, t in enumerate(types[:num_layers])]
-    if cfg.get("layers_block_type"):  # Jamba, Granite hybrid: "attention" / "mamba"
-        return [Layer(i, FULL if "attention" in t else NONE, block_type=t)
+    if cfg.get("layers_block_type"):  # Jamba, Granite hybrid, Nemotron 3: "attention", "mamba"
+        return [_from_type(i, t, window, cfg)
                 for i, t in enumerate(cfg["layers_block_type"][:num_layers])]
     if cfg.get("hybrid_override_pattern"):  # Nemotron-H: "*" attention, "M" Mamba, "-" MLP
         names = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
@@ -122,8 +133,9 @@ def _layers(cfg: dict[str, Any], num_layers: int) -> list[Layer]:
         first = int(cfg["max_window_layers"])
         return [Layer(i, SLIDING, window) if i >= first else Layer(i, FULL)
                 for i in range(num_layers)]
-    pattern = cfg.get("sliding_window_pattern")
-    if pattern:  # older Gemma3 configs: every pattern-th layer is global
+    pattern = cfg.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN.get(
+        str(cfg.get("model_type")))
+    if pattern:  # Gemma-2/3, Cohere2 configs without layer_types: every pattern-th is global
         return [Layer(i, FULL) if (i + 1) % int(pattern) == 0 else Layer(i, SLIDING, window)
                 for i in range(num_layers)]
     return [Layer(i, SLIDING, window) for i in range(num_layers)]  # Mistral-style
@@ -138,3 +150,32 @@ def _from_type(index: int, layer_type: str, window: int | None, cfg: dict[str, A
     if layer_type in ("full_attention", "attention", "global_attention"):
         return Layer(index, FULL, None, layer_type)
     return Layer(index, NONE, None, layer_type)  # linear attention, Mamba, conv, ...
+
+
+def complete_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The config as transformers' class for its model_type reads it, and the KV fields that
+    came from that class's defaults ("name=value").
+
+    transformers writes config.json without the values equal to its class's defaults (the
+    text_config of Gemma-3 4B has no num_attention_heads), and vLLM reads configs through
+    that class. Importing transformers takes seconds, so callers use this only when a field
+    is missing. Unknown model types come back unchanged, with nothing filled.
+    """
+    if not config.get("model_type"):
+        return config, []
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        full = CONFIG_MAPPING[str(config.get("model_type"))].from_dict(config).to_dict()
+    except Exception:  # not installed, unknown model type, or a config the class rejects
+        return config, []
+    before, after = text_config(config), text_config(full)
+    filled = [f"{name}={_short(after[name])}" for name in KV_FIELDS
+              if before.get(name) is None and after.get(name) is not None]
+    return full, filled
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{len(value)} entries: {', '.join(sorted(set(map(str, value))))}]"
+    return str(value)

@@ -1,0 +1,271 @@
+"""`kvcalib inspect`: what a checkpoint's KV scales look like, by layer and by head.
+
+Reads what `verify` reads statically (config, declared scheme, the scale tensors; never
+the weights, no engine), so it works on every layout verify knows, and the calibration
+report (kvcalib_report.json) when the checkpoint has one. For each scale it shows:
+- absmax: scale × 448, the largest |K|, |V| or |Q| that FP8 E4M3 represents with it;
+- ×median: the scale over the median layer's scale of the same kind, where a layer's scale
+  is its largest head's (the one backends without per-head scales use);
+- outliers: ×median above `outlier_ratio` or below its inverse. A layer far from the others
+  saw unusual activations, or the calibration data missed what it sees in serving;
+- clipping: with a report, an absmax seen while calibrating above the one the scale
+  represents (an averaging observer such as minmax): larger values are clipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcalib import verify
+from kvcalib.calibration import REPORT_FILE
+from kvcalib.capacity import index_ranges
+from kvcalib.checks import FAIL
+from kvcalib.errors import UsageError
+from kvcalib.report import table
+
+DEFAULT_OUTLIER_RATIO = 4.0
+KINDS = ("k", "v", "q")
+
+
+@dataclass
+class KindScales:
+    """One layer's scales of one kind: one value per head, or a single per-tensor value."""
+
+    scale: list[float]
+    absmax: list[float]
+    ratio: list[float]  # to the median layer's scale
+    seen_absmax: list[float] | None = None  # from the report
+
+
+@dataclass
+class LayerScales:
+    layer: int
+    kinds: dict[str, KindScales] = field(default_factory=dict)
+
+
+@dataclass
+class Inspection:
+    checkpoint: str
+    layout: str
+    strategy: str
+    kinds: list[str]
+    median: dict[str, float]  # the median layer's scale, per kind
+    outlier_ratio: float
+    layers: list[LayerScales]
+    outliers: list[dict[str, Any]]  # layer, kind, head (None: per-tensor), scale, ratio, why
+    calibration: dict[str, Any] | None  # from the report
+    problems: list[str]  # failed static checks and report mismatches, shown alongside
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) -> Inspection:
+    """Every scale the static checks could read, with its absmax, ratio and flags."""
+    if outlier_ratio <= 1:
+        raise UsageError(f"outlier ratio must be above 1, not {outlier_ratio}")
+    folder = Path(folder)
+    checks, found = verify.static_checks(folder)
+    problems = [c.message for c in checks if c.status == FAIL]
+    if found.scheme is None or not found.values:
+        reason = problems[0] if problems else "no KV scale tensors were found"
+        raise UsageError(f"{folder}: no KV scales to inspect: {reason}")
+    kinds = [k for k in KINDS if any(kind == k for _, kind in found.values)]
+    median = {k: float(np.median([v.max() for (_, kind), v in found.values.items()
+                                  if kind == k])) for k in kinds}
+    report = _read_report(folder)
+    seen = _seen_absmax(report)
+    layers: dict[int, LayerScales] = {}
+    for (index, kind), values in sorted(found.values.items()):
+        scales = KindScales(values.tolist(), (values * verify.FP8_E4M3_MAX).tolist(),
+                            (values / median[kind]).tolist(), _per_value(seen, index, kind,
+                                                                         values.size))
+        layers.setdefault(index, LayerScales(index)).kinds[kind] = scales
+    if report is not None:
+        problems += _report_mismatches(report, found)
+    result = Inspection(str(folder.resolve()), found.scheme.layout, found.scheme.strategy,
+                        kinds, median, outlier_ratio, list(layers.values()), [],
+                        _calibration(report), problems)
+    result.outliers = _outliers(result, found.dtypes)
+    return result
+
+
+def _read_report(folder: Path) -> dict[str, Any] | None:
+    path = folder / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not valid JSON: {exc}") from None
+    return report if isinstance(report, dict) and isinstance(report.get("layers"), list) else None
+
+
+def _seen_absmax(report: dict[str, Any] | None) -> dict[tuple[int, str], list[float]]:
+    if report is None:
+        return {}
+    return {(entry["layer"], kind): entry[f"{kind}_absmax"] for entry in report["layers"]
+            for kind in KINDS if f"{kind}_absmax" in entry}
+
+
+def _per_value(seen: dict[tuple[int, str], list[float]], layer: int, kind: str,
+               size: int) -> list[float] | None:
+    """The report records absmax per head; a per-tensor scale covers their largest."""
+    values = seen.get((layer, kind))
+    if values is None:
+        return None
+    if len(values) == size:
+        return list(values)
+    return [max(values)] if size == 1 else None
+
+
+def _report_mismatches(report: dict[str, Any], found: verify.StaticScales) -> list[str]:
+    """A report from another run (or an edited checkpoint) must not be read as this one's."""
+    wrong = []
+    for entry in report["layers"]:
+        for kind in KINDS:
+            stored = found.values.get((entry["layer"], kind))
+            if stored is None or f"{kind}_scale" not in entry:
+                continue
+            rtol = verify.STORAGE_RTOL.get(found.dtypes.get((entry["layer"], kind), "F32"), 1e-6)
+            reported = np.asarray(entry[f"{kind}_scale"], dtype=np.float64)
+            if reported.shape != stored.shape or not np.allclose(reported, stored, rtol=rtol):
+                wrong.append(f"layer {entry['layer']} {kind}")
+    if not wrong:
+        return []
+    return [f"{REPORT_FILE} disagrees with the scale tensors at {len(wrong)} scales "
+            f"({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''}): it does not "
+            "describe this checkpoint's scales"]
+
+
+def _calibration(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    keys = ("kvcalib_version", "created", "model", "scheme", "dataset", "samples", "pipeline")
+    return {key: report[key] for key in keys if key in report}
+
+
+def _outliers(result: Inspection, dtypes: dict[tuple[int, str], str]) -> list[dict[str, Any]]:
+    found = []
+    per_head = result.strategy == "attn_head"
+    for layer in result.layers:
+        for kind, scales in layer.kinds.items():
+            # A stored scale may round down by one step of its dtype below absmax / 448.
+            rtol = 2 * verify.STORAGE_RTOL.get(dtypes.get((layer.layer, kind), "F32"), 1e-6)
+            for head, (scale, ratio) in enumerate(zip(scales.scale, scales.ratio, strict=True)):
+                where = {"layer": layer.layer, "kind": kind, "head": head if per_head else None,
+                         "scale": scale, "ratio": ratio}
+                if ratio > result.outlier_ratio or ratio < 1 / result.outlier_ratio:
+                    found.append({**where, "why": f"{ratio:.2f}x the median layer"})
+                seen = scales.seen_absmax[head] if scales.seen_absmax else None
+                if seen is not None and seen > scales.absmax[head] * (1 + rtol):
+                    found.append({**where, "why": f"clips: calibration saw |{kind}| up to "
+                                  f"{seen:.4g}, the scale represents {scales.absmax[head]:.4g}"})
+    return found
+
+
+# ----- rendering ----- #
+
+
+def summary(result: Inspection, heads: bool = False) -> str:
+    """A row per layer (scales as min..max over heads); with `heads`, a row per head too."""
+    lines = [f"Checkpoint: {result.checkpoint}",
+             f"Scheme: {result.layout}, strategy {result.strategy}, "
+             f"{'/'.join(result.kinds)} scales on {len(result.layers)} attention layers",
+             _calibration_line(result.calibration),
+             "Median layer: " + ", ".join(
+                 f"{k}_scale {m:.4g} (absmax {m * verify.FP8_E4M3_MAX:.4g})"
+                 for k, m in result.median.items()), ""]
+    headers = ["layer"]
+    for kind in result.kinds:
+        headers += [f"{kind}_scale", f"{kind} absmax", f"{kind} x median"]
+    rows = []
+    for layer in result.layers:
+        row: list[Any] = [layer.layer]
+        for kind in result.kinds:
+            scales = layer.kinds.get(kind)
+            row += ([_range(scales.scale), max(scales.absmax), round(max(scales.ratio), 2)]
+                    if scales else ["-", "-", "-"])
+        rows.append([*row, _flags(result.outliers, layer.layer)])
+    lines.append(table([*headers, "flags"], rows))
+    if heads and result.strategy == "attn_head":
+        lines += ["", table(["layer", "kind", "head", "scale", "absmax", "x median",
+                             "seen absmax"], _head_rows(result))]
+    lines.append("")
+    lines.append(f"Outliers (x median above {result.outlier_ratio:g} or below "
+                 f"1/{result.outlier_ratio:g}) and clipping: "
+                 f"{len(result.outliers) or 'none'}")
+    lines += [f"Problem: {problem}" for problem in result.problems]
+    return "\n".join(lines)
+
+
+def _flags(outliers: list[dict[str, Any]], layer: int) -> str:
+    """One layer's outliers, heads of one kind and reason together: 'v x0.07..0.11 (heads
+    0-2)', 'k clips (head 1)'."""
+    groups: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for outlier in outliers:
+        if outlier["layer"] == layer:
+            clips = outlier["why"].startswith("clips")
+            groups.setdefault((outlier["kind"], clips), []).append(outlier)
+    flags = []
+    for (kind, clips), items in groups.items():
+        ratios = [item["ratio"] for item in items]
+        what = "clips" if clips else "x" + _range(ratios, ".2f")
+        heads = [item["head"] for item in items if item["head"] is not None]
+        which = f" (head{'s' if len(heads) > 1 else ''} {index_ranges(heads)})" if heads else ""
+        flags.append(f"{kind} {what}{which}")
+    return "; ".join(flags)
+
+
+def _head_rows(result: Inspection) -> list[list[Any]]:
+    rows = []
+    for layer in result.layers:
+        for kind, scales in layer.kinds.items():
+            for head, scale in enumerate(scales.scale):
+                seen = scales.seen_absmax[head] if scales.seen_absmax else None
+                rows.append([layer.layer, kind, head, f"{scale:.4g}", f"{scales.absmax[head]:.4g}",
+                             f"{scales.ratio[head]:.2f}", "-" if seen is None else f"{seen:.4g}"])
+    return rows
+
+
+def _range(values: list[float], spec: str = ".4g") -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:{spec}}" if lo == hi else f"{lo:{spec}}..{hi:{spec}}"
+
+
+def _calibration_line(calibration: dict[str, Any] | None) -> str:
+    if calibration is None:
+        return f"Calibration: no {REPORT_FILE} in the checkpoint"
+    dataset, samples = calibration.get("dataset", {}), calibration.get("samples", {})
+    observer = calibration.get("scheme", {}).get("observer", "?")
+    return (f"Calibration: {dataset.get('source', '?')}"
+            f"{' ' + dataset['split'] if dataset.get('split') else ''}, "
+            f"{samples.get('used', '?')} samples x <= {samples.get('max_seq_len', '?')} tokens "
+            f"({samples.get('num_tokens', '?')} tokens), observer {observer}, "
+            f"kvcalib {calibration.get('kvcalib_version', '?')} on "
+            f"{calibration.get('created', '?')}")
+
+
+def plot(result: Inspection, path: Path) -> Path:
+    """Scales by layer and head: a heatmap per kind for per-head scales, else lines."""
+    from kvcalib import plots
+
+    indices = [layer.layer for layer in result.layers]
+    title = f"{Path(result.checkpoint).name}: FP8 KV scales ({result.strategy})"
+    if result.strategy == "attn_head":
+        panels = {}
+        for kind in result.kinds:
+            width = max(len(layer.kinds[kind].scale) for layer in result.layers
+                        if kind in layer.kinds)
+            panels[f"{kind}_scale"] = np.array([
+                layer.kinds[kind].scale if kind in layer.kinds else [np.nan] * width
+                for layer in result.layers])
+        return plots.scales_heatmap(path, panels, indices, title)
+    series = {f"{kind}_scale": [max(layer.kinds[kind].scale) if kind in layer.kinds else np.nan
+                                for layer in result.layers] for kind in result.kinds}
+    return plots.scales_by_layer(path, series, indices, title)

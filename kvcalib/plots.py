@@ -1,0 +1,63 @@
+"""Figures for kvcalib's commands. matplotlib is imported only when a figure is drawn, and
+only its object API is used (no pyplot state), so library callers and tests can draw in
+parallel without a display."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(figure, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def scales_heatmap(path: Path, panels: Mapping[str, np.ndarray], layers: Sequence[int],
+                   title: str, colorbar: str = "scale") -> Path:
+    """One heatmap per panel, side by side: rows are layers, columns heads (NaN: missing)."""
+    widths = [max(matrix.shape[1], 2) for matrix in panels.values()]
+    figure = _figure(2.5 + 0.35 * sum(widths) + 1.2 * len(panels),
+                     max(4.0, 1.5 + 0.2 * len(layers)))
+    axes = figure.subplots(1, len(panels), squeeze=False,
+                           gridspec_kw={"width_ratios": widths})[0]
+    step = max(1, len(layers) // 30)  # at most ~30 layer labels
+    for ax, (name, matrix) in zip(axes, panels.items(), strict=True):
+        image = ax.imshow(np.asarray(matrix, dtype=float), aspect="auto", cmap="viridis",
+                          interpolation="nearest")
+        ax.set_title(name)
+        ax.set_xlabel("head")
+        ax.set_xticks(range(matrix.shape[1]))
+        ax.set_yticks(range(0, len(layers), step), [str(i) for i in layers[::step]])
+        figure.colorbar(image, ax=ax, label=colorbar)
+    axes[0].set_ylabel("layer")
+    figure.suptitle(title)
+    return _save(figure, path)
+
+
+def scales_by_layer(path: Path, series: Mapping[str, Sequence[float]], layers: Sequence[int],
+                    title: str, ylabel: str = "scale", log: bool = True) -> Path:
+    """One line per series over the layers (log y by default: kinds differ by orders of
+    magnitude, and outliers are ratios)."""
+    figure = _figure(max(6.0, 0.2 * len(layers) + 2), 4.0)
+    ax = figure.subplots()
+    for name, values in series.items():
+        ax.plot(layers, values, marker="o", markersize=3, label=name)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    return _save(figure, path)
