@@ -121,7 +121,9 @@ def run_probe(python: str, model: Path, kv_cache_dtype: str, log_path: Path, *,
               prompts: list[str] | None = None, max_tokens: int = 16,
               timeout: float = 1200) -> ProbeRun:
     """Start vLLM once in the serving interpreter; save the whole log to `log_path`."""
-    request = {"model": str(model), "kv_cache_dtype": kv_cache_dtype,
+    # Absolute: the probe runs in a scratch folder, and vLLM takes a path it cannot find
+    # for a hub id.
+    request = {"model": str(Path(model).resolve()), "kv_cache_dtype": kv_cache_dtype,
                "max_model_len": max_model_len, "skip_layers": skip_layers or [],
                "prompts": prompts or [], "max_tokens": max_tokens}
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,11 +110,11 @@ def eval_summary(result) -> str:
         lengths = sorted({t["length"] for t in trials})
         scores = ", ".join(f"{name} {sum(t['correct'] for t in r['trials'])}/{len(r['trials'])}"
                            for name, r in result.passkey.items())
-        lines.append(f"Passkey retrieval ({len(trials)} trials, {lengths[0]}..{lengths[-1]} "
-                     f"tokens): {scores}")
+        span = f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]}..{lengths[-1]}"
+        lines.append(f"Passkey retrieval ({len(trials)} trials of {span} tokens): {scores}")
     if result.sweep:
         top = sorted(result.sweep["layers"], key=lambda e: -e["only_kl"])[:5]
-        lines.append(f"Per-layer sensitivity ({result.sweep['samples']} samples, all layers "
+        lines.append(f"Per-layer sensitivity (sweep samples: {result.sweep['samples']}; all layers "
                      f"KL {result.sweep['all_kl']:.5f}): alone, layers " + ", ".join(
                          f"{e['layer']} ({e['only_kl']:.5f})" for e in top))
         if "recommendation" in result.sweep:

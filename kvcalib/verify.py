@@ -277,7 +277,8 @@ def _engine_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
         checks.append(Check("engine", ERROR, error))
     else:
         first = facts.errors[-1] if facts.errors else ""
-        checks.append(Check("engine", FAIL, f"vLLM failed to start: {error} {first}".strip()))
+        message = f"vLLM failed to start: {error.splitlines()[0] if error else first}"
+        checks.append(Check("engine", FAIL, message, value=error))
     for line in facts.scale_one_warnings:
         checks.append(Check("log", FAIL, f"vLLM logged: {line}", value=line))
     for line in facts.not_loaded:

@@ -164,11 +164,11 @@ def fp8_kv_supported() -> bool:
     return supported(serving_python())
 
 
-def run_verify(ckpt: Path, out_dir: Path, *args: object) -> dict:
+def run_verify(ckpt: Path, out_dir: Path, *args: object, cwd: Path | None = None) -> dict:
     """`kvcalib verify --json`: the exit code, the JSON report, and what was printed."""
     report = out_dir / "verify.json"
     result = run_kvcalib("verify", ckpt, "--json", report, "--max-model-len", 2048, *args,
-                         timeout=1800)
+                         timeout=1800, cwd=cwd)
     assert report.exists(), result.stderr
     return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr,
             "report": json.loads(report.read_text()), "dir": out_dir}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -79,7 +80,9 @@ def test_default_fp8_with_compare_auto(verify_compare, fp8_kv_supported):
 
 def test_missing_scales_are_caught_by_the_read_back(smol_attn_head, readback_dtype, tmp_path):
     ckpt = copy_checkpoint(smol_attn_head, tmp_path / "stripped", lambda s: s.clear())
-    result = run_verify(ckpt, tmp_path, "--kv-cache-dtype", readback_dtype)
+    # A path relative to where the user stands (the probe itself runs elsewhere).
+    result = run_verify(Path(ckpt.name), tmp_path, "--kv-cache-dtype", readback_dtype,
+                        cwd=tmp_path)
     report = result["report"]
     assert result["returncode"] == 1
     run = report["engine"]["runs"][readback_dtype]
