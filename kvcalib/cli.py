@@ -23,8 +23,43 @@ app = typer.Typer(
 )
 
 
+# Options several commands share, declared once so that they read the same everywhere.
+DatasetConfig = Annotated[str | None, typer.Option(help="Hub dataset config name.")]
+TextColumn = Annotated[str | None, typer.Option(
+    help="Column with text or chat messages (default: messages, then text).")]
+Seed = Annotated[int, typer.Option(help="Seed for choosing the samples.")]
+VllmPython = Annotated[str | None, typer.Option(
+    help="Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, this "
+         "interpreter if it has vLLM, or the env `make setup` made).")]
+JsonOut = Annotated[Path | None, typer.Option(
+    "--json", help="Also write the result as JSON to this file; '-' prints the JSON to "
+                   "standard output instead of the table.")]
+SkipLayers = Annotated[list[str] | None, typer.Option(
+    help="Layers vLLM keeps in the model dtype (indices or sliding_window); repeat or use "
+         "commas.")]
+
+
 def _info(message: str) -> None:
     typer.echo(message, err=True)
+
+
+def _output(json_path: Path | None, payload: dict, text: str) -> None:
+    """The table on stdout, and JSON to --json FILE; with --json - only the JSON."""
+    from kvcalib.report import write_json
+
+    if json_path is not None and str(json_path) == "-":
+        import json
+
+        typer.echo(json.dumps(payload, indent=1))
+        return
+    if json_path is not None:
+        write_json(json_path, payload)
+    typer.echo(text)
+
+
+def _beside(json_path: Path | None) -> Path | None:
+    """The folder of a --json FILE, where engine logs go by default."""
+    return json_path.resolve().parent if json_path and str(json_path) != "-" else None
 
 
 @app.command()
@@ -39,14 +74,13 @@ def run(
     dataset: Annotated[str, typer.Option(
         help="'builtin' (offline corpus), a local .jsonl/.json/.parquet/.csv/.txt file or "
              "folder, or a hub dataset id.")] = "HuggingFaceH4/ultrachat_200k",
-    dataset_config: Annotated[str | None, typer.Option(help="Hub dataset config name.")] = None,
+    dataset_config: DatasetConfig = None,
     split: Annotated[str | None, typer.Option(
         help="Hub dataset split (default: train_sft for ultrachat_200k, else train).")] = None,
-    text_column: Annotated[str | None, typer.Option(
-        help="Column with text or chat messages (default: messages, then text).")] = None,
+    text_column: TextColumn = None,
     num_samples: Annotated[int, typer.Option(help="Calibration samples.")] = 512,
     max_seq_len: Annotated[int, typer.Option(help="Tokens per sample (truncated).")] = 2048,
-    seed: Annotated[int, typer.Option(help="Seed for choosing the samples.")] = 0,
+    seed: Seed = 0,
     observer: Annotated[str, typer.Option(
         help="static_minmax (true running absmax), minmax (llm-compressor's EMA default, "
              "clips) or mse.")] = "static_minmax",
@@ -58,8 +92,7 @@ def run(
              "bf16), bfloat16, float16 or float32.")] = "auto",
     overwrite: Annotated[bool, typer.Option(
         help="Replace a non-empty --output (only once the new checkpoint is complete).")] = False,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the report as JSON instead of the table.")] = False,
+    json_path: JsonOut = None,
 ) -> None:
     """Calibrate FP8 KV-cache scales into a checkpoint vLLM loads with kv_cache_dtype=fp8."""
     from kvcalib.calibration import REPORT_FILE, calibrate
@@ -74,14 +107,9 @@ def run(
         num_samples=num_samples, max_seq_len=max_seq_len, seed=seed, observer=observer,
         pipeline=pipeline, dtype=dtype, overwrite=overwrite, log=_info,
     )
-    if json_output:
-        import json
-
-        typer.echo(json.dumps(result.report, indent=1))
-        return
-    typer.echo(calibration_summary(result.report))
-    typer.echo(f"Checkpoint: {result.output}")
-    typer.echo(f"Report:     {result.output / REPORT_FILE}")
+    _output(json_path, result.report, "\n".join([
+        calibration_summary(result.report), f"Checkpoint: {result.output}",
+        f"Report:     {result.output / REPORT_FILE}"]))
 
 
 @app.command()
@@ -89,20 +117,15 @@ def verify(
     checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
     static_only: Annotated[bool, typer.Option(
         "--static-only", help="Only read config and scales; do not start vLLM.")] = False,
-    vllm_python: Annotated[str | None, typer.Option(
-        help="Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, this "
-             "interpreter if it has vLLM, or the env `make setup` made).")] = None,
+    vllm_python: VllmPython = None,
     kv_cache_dtype: Annotated[str, typer.Option(
         help="vLLM kv_cache_dtype for the engine check.")] = "fp8",
     max_model_len: Annotated[int | None, typer.Option(help="vLLM max_model_len.")] = None,
-    kv_cache_dtype_skip_layers: Annotated[list[str] | None, typer.Option(
-        help="Layers vLLM keeps unquantized (indices or sliding_window); repeat or use "
-             "commas.")] = None,
+    kv_cache_dtype_skip_layers: SkipLayers = None,
     compare_auto: Annotated[bool, typer.Option(
         "--compare-auto", help="Also start vLLM with the model-dtype cache and compare "
              "capacity, greedy outputs and prompt log-probs.")] = False,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Write every check, value and finding as JSON.")] = None,
+    json_path: JsonOut = None,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML for CI.")] = None,
     log_dir: Annotated[Path | None, typer.Option(
         help="Where to save vLLM's logs (default: beside --json, else "
@@ -110,21 +133,17 @@ def verify(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each engine.")] = 1200,
 ) -> None:
     """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
-    from kvcalib.report import junit_xml, verify_summary, write_json
+    from kvcalib.report import junit_xml, verify_summary
     from kvcalib.verify import verify as run_verify
 
     skip = [part for item in kv_cache_dtype_skip_layers or [] for part in item.split(",") if part]
-    if log_dir is None and json_path is not None:
-        log_dir = json_path.resolve().parent
     result = run_verify(checkpoint, static_only=static_only, vllm_python=vllm_python,
                         kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-                        skip_layers=skip, compare_auto=compare_auto, log_dir=log_dir,
-                        timeout=timeout, log=_info)
-    if json_path:
-        write_json(json_path, result.to_dict())
+                        skip_layers=skip, compare_auto=compare_auto,
+                        log_dir=log_dir or _beside(json_path), timeout=timeout, log=_info)
     if junit:
         junit.write_text(junit_xml("kvcalib.verify", result.checks))
-    typer.echo(verify_summary(result))
+    _output(json_path, result.to_dict(), verify_summary(result))
     raise typer.Exit(result.exit_code)
 
 
@@ -144,12 +163,12 @@ def eval_command(
     dataset: Annotated[str | None, typer.Option(
         help="Held-out text, as for `run` (default: the calibration's dataset, rows it did "
              "not use; builtin without a report).")] = None,
-    dataset_config: Annotated[str | None, typer.Option(help="Hub dataset config name.")] = None,
+    dataset_config: DatasetConfig = None,
     split: Annotated[str | None, typer.Option(help="Hub dataset split.")] = None,
-    text_column: Annotated[str | None, typer.Option(help="Column with text or messages.")] = None,
+    text_column: TextColumn = None,
     num_samples: Annotated[int, typer.Option(help="Held-out samples.")] = 16,
     max_seq_len: Annotated[int, typer.Option(help="Tokens per sample.")] = 512,
-    seed: Annotated[int, typer.Option(help="Seed for choosing the samples.")] = 0,
+    seed: Seed = 0,
     batch_size: Annotated[int, typer.Option(help="Samples per forward pass.")] = 1,
     dtype: Annotated[str, typer.Option(
         help="Compute dtype of reference and simulation (bfloat16 to include the engine's "
@@ -183,10 +202,8 @@ def eval_command(
     engine: Annotated[bool, typer.Option(
         "--engine", help="Also score the same tokens in vLLM with fp8 and the model dtype "
              "(serving env).")] = False,
-    vllm_python: Annotated[str | None, typer.Option(
-        help="Python of the serving environment, as for verify.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")
-    ] = None,
+    vllm_python: VllmPython = None,
+    json_path: JsonOut = None,
     plot: Annotated[Path | None, typer.Option(
         help="Write a PNG: per-layer sensitivity (with --sweep) and scales.")] = None,
 ) -> None:
@@ -194,7 +211,7 @@ def eval_command(
     from kvcalib.data import DatasetSpec
     from kvcalib.evaluation import evaluate
     from kvcalib.evaluation import plot as draw
-    from kvcalib.report import eval_summary, write_json
+    from kvcalib.report import eval_summary
 
     spec = DatasetSpec(dataset, dataset_config, split, text_column) if dataset else None
     result = evaluate(
@@ -205,12 +222,10 @@ def eval_command(
         sweep_samples=sweep_samples, kivi=kivi, kivi_group=kivi_group,
         kivi_residual=kivi_residual, max_kl=max_kl, max_ppl_increase=max_ppl_increase,
         min_passkey=min_passkey, use_engine=engine, vllm_python=vllm_python,
-        log_dir=json_path.resolve().parent if json_path else None, log=_info)
-    if json_path:
-        write_json(json_path, result.to_dict())
+        log_dir=_beside(json_path), log=_info)
     if plot:
         _info(f"Plot: {draw(result, plot)}")
-    typer.echo(eval_summary(result))
+    _output(json_path, result.to_dict(), eval_summary(result))
     raise typer.Exit(result.exit_code)
 
 
@@ -234,11 +249,8 @@ def estimate(
         help="KIVI group: tokens per key group, channels per value group.")] = 32,
     kivi_residual: Annotated[int, typer.Option(
         help="KIVI: most recent tokens kept in 16 bits.")] = 128,
-    kv_cache_dtype_skip_layers: Annotated[list[str] | None, typer.Option(
-        help="Layers vLLM keeps 16-bit (indices or sliding_window); repeat or use "
-             "commas.")] = None,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print the estimate as JSON instead of the table.")] = False,
+    kv_cache_dtype_skip_layers: SkipLayers = None,
+    json_path: JsonOut = None,
 ) -> None:
     """KV-cache bytes per token and per request in 16-bit, fp8 and 2-bit KIVI, and what fits
     in a memory budget. Only attention layers count; Mamba and other layers are listed."""
@@ -248,12 +260,7 @@ def estimate(
     result = run_estimate(model, context_length=context_length, batch=batch, budget=budget,
                           block_size=block_size, kivi=Kivi(kivi_group_size, kivi_residual),
                           skip_layers=kv_cache_dtype_skip_layers)
-    if json_output:
-        import json
-
-        typer.echo(json.dumps(result.to_dict(), indent=1))
-        return
-    typer.echo(summary(result))
+    _output(json_path, result.to_dict(), summary(result))
 
 
 @app.command("inspect")
@@ -267,8 +274,7 @@ def inspect_scales(
     outlier_ratio: Annotated[float, typer.Option(
         help="Flag scales more than this many times above or below the median "
              "layer's.")] = 4.0,
-    json_output: Annotated[bool, typer.Option(
-        "--json", help="Print every scale, ratio and flag as JSON instead of the table.")] = False,
+    json_path: JsonOut = None,
 ) -> None:
     """Show a checkpoint's KV scales per layer and head, the absmax they imply and outliers;
     reads the calibration report when present. Needs no engine."""
@@ -278,12 +284,7 @@ def inspect_scales(
     result = inspect(checkpoint, outlier_ratio=outlier_ratio)
     if plot is not None:
         _info(f"Plot: {draw(result, plot)}")
-    if json_output:
-        import json
-
-        typer.echo(json.dumps(result.to_dict(), indent=1))
-        return
-    typer.echo(summary(result, heads=heads))
+    _output(json_path, result.to_dict(), summary(result, heads=heads))
 
 
 @app.command("demo-model")

@@ -48,7 +48,7 @@ def run_kvcalib(model_dir: Path, out: Path, args: argparse.Namespace, pipeline: 
     command = [str(KVCALIB), "run", "--model", str(model_dir), "--output", str(out),
                "--dataset", "builtin", "--num-samples", str(args.num_samples),
                "--max-seq-len", str(args.max_seq_len), "--strategy", "attn_head",
-               "--pipeline", pipeline, "--json"]
+               "--pipeline", pipeline, "--json", "-"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     stdout = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)

@@ -17,7 +17,7 @@ mkdir -p "$reports"
 
 # 1. Calibrate: per-KV-head scales on the default dataset (ultrachat_200k, 512 x 2048).
 kvcalib run --model "$model" --output "$output" --strategy attn_head --overwrite \
-    --json > "$reports/calibration.json"
+    --json "$reports/calibration.json"
 
 # 2. Prove the scales are present, sane and what vLLM actually loads.
 kvcalib verify "$output" --kv-cache-dtype "$kv_dtype" \
@@ -29,5 +29,5 @@ kvcalib eval "$output" --max-kl 0.02 --max-ppl-increase 0.02 --min-passkey 0.5 \
 
 # 4. Keep a picture of the scales and the memory budget with the release.
 kvcalib inspect "$output" --plot "$reports/scales.png" > "$reports/scales.txt"
-kvcalib estimate "$output" --budget 80GiB --json > "$reports/capacity.json"
+kvcalib estimate "$output" --budget 80GiB --json "$reports/capacity.json"
 echo "release candidate $output passed; reports in $reports"

@@ -42,6 +42,15 @@ def tree_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
+def linked_copy(src: Path, dst: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """A folder of links to `src`'s files (as in the HF cache), without `leave_out`."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name not in leave_out:
+            (dst / item.name).symlink_to(item)
+    return dst
+
+
 def copy_checkpoint(src: Path, dst: Path,
                     edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
     """A copy whose weight file is a link (as in the HF cache); `edit` changes the scales."""

@@ -475,7 +475,7 @@ def test_cli_table_on_the_demo_model(demo_model):
 def test_cli_json_on_a_config_file(tmp_path):
     path = tmp_path / "jamba.json"
     path.write_text(json.dumps(JAMBA))
-    result = run_kvcalib("estimate", path, "-T", 4096, "-B", 2, "--budget", "80GB", "--json")
+    result = run_kvcalib("estimate", path, "-T", 4096, "-B", 2, "--budget", "80GB", "--json", "-")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     formats = {f["name"]: f for f in report["formats"]}
@@ -524,7 +524,7 @@ def test_budget_agrees_with_vllm(verify_compare, smol_attn_head):
     engine = verify_compare["report"]["engine"]
     capacity_seen = engine["compare_auto"]["capacity"]
     result = run_kvcalib("estimate", smol_attn_head, "--budget", "1GiB", "--block-size", 128,
-                         "--context-length", 2048, "--json")
+                         "--context-length", 2048, "--json", "-")
     assert result.returncode == 0, result.stderr
     formats = {f["name"]: f for f in json.loads(result.stdout)["formats"]}
     print(f"vLLM: {capacity_seen}; estimate: bf16 {formats['bfloat16']['tokens_fit']}, "

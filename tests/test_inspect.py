@@ -12,14 +12,14 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from conftest import run_kvcalib
+from conftest import linked_copy, run_kvcalib
 
 FP8_MAX = 448.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _inspect_json(ckpt, *args) -> dict:
-    result = run_kvcalib("inspect", ckpt, "--json", *args)
+    result = run_kvcalib("inspect", ckpt, "--json", "-", *args)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -130,11 +130,7 @@ def test_line_plot_png(smol_tensor_q, tmp_path):
 
 def test_without_report(smol_attn_head, tmp_path):
     """Only config and scales are needed: links to everything but the report."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for path in smol_attn_head.iterdir():
-        if path.name != "kvcalib_report.json":
-            (ckpt / path.name).symlink_to(path)
+    ckpt = linked_copy(smol_attn_head, tmp_path / "ckpt", leave_out=("kvcalib_report.json",))
     report = _inspect_json(ckpt)
     assert report["calibration"] is None
     _check_values(report, _tensors(smol_attn_head))
@@ -143,11 +139,7 @@ def test_without_report(smol_attn_head, tmp_path):
 
 
 def test_report_from_another_run_is_pointed_out(smol_attn_head, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for path in smol_attn_head.iterdir():
-        if path.name != "kvcalib_report.json":
-            (ckpt / path.name).symlink_to(path)
+    ckpt = linked_copy(smol_attn_head, tmp_path / "ckpt", leave_out=("kvcalib_report.json",))
     report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
     report["layers"][2]["v_scale"] = [s * 2 for s in report["layers"][2]["v_scale"]]
     (ckpt / "kvcalib_report.json").write_text(json.dumps(report))

@@ -95,7 +95,7 @@ def test_sequential_pipeline_gives_the_same_scales(smol_attn_head, demo_model, t
     out = tmp_path / "sequential"
     result = run_kvcalib("run", "--model", demo_model, "--output", out, "--dataset", "builtin",
                          "--num-samples", 6, "--max-seq-len", 128, "--strategy", "attn_head",
-                         "--pipeline", "sequential", "--json")
+                         "--pipeline", "sequential", "--json", "-")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["pipeline"]["used"] == "sequential"
     assert (out / "kv_scales.safetensors").read_bytes() == (

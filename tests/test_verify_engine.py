@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import copy_checkpoint, run_kvcalib, run_verify, tree_digest
+from conftest import copy_checkpoint, linked_copy, run_kvcalib, run_verify, tree_digest
 
 pytestmark = pytest.mark.engine
 
@@ -95,11 +95,7 @@ def test_missing_scales_are_caught_by_the_read_back(smol_attn_head, readback_dty
 
 
 def test_fp8_checkpoint_without_scales_fails_on_the_warning(demo_model, tmp_path):
-    ckpt = tmp_path / "fp8"
-    ckpt.mkdir()
-    for item in demo_model.iterdir():
-        if item.name != "config.json":
-            (ckpt / item.name).symlink_to(item)
+    ckpt = linked_copy(demo_model, tmp_path / "fp8", leave_out=("config.json",))
     config = json.loads((demo_model / "config.json").read_text())
     linear = [f"model.layers.{i}.{m}" for i in range(30) for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
