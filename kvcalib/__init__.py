@@ -12,6 +12,12 @@ __version__ = "0.1.0"
 _API = {
     "calibrate": "kvcalib.calibration",
     "CalibrationResult": "kvcalib.calibration",
+    "verify": "kvcalib.verification",
+    "VerifyResult": "kvcalib.verification",
+    "evaluate": "kvcalib.evaluation",
+    "EvalResult": "kvcalib.evaluation",
+    "estimate": "kvcalib.capacity",
+    "inspect": "kvcalib.inspection",
     "prepare_demo_model": "kvcalib.demo_model",
     "UsageError": "kvcalib.errors",
     "CheckFailed": "kvcalib.errors",

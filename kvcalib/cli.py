@@ -134,7 +134,7 @@ def verify(
 ) -> None:
     """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
     from kvcalib.report import junit_xml, verify_summary
-    from kvcalib.verify import verify as run_verify
+    from kvcalib.verification import verify as run_verify
 
     skip = [part for item in kv_cache_dtype_skip_layers or [] for part in item.split(",") if part]
     result = run_verify(checkpoint, static_only=static_only, vllm_python=vllm_python,

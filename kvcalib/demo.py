@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcalib import capacity, engine, evaluation, inspection, report, verify
+from kvcalib import capacity, engine, evaluation, inspection, report, verification
 from kvcalib.calibration import REPORT_FILE, calibrate
 from kvcalib.data import DatasetSpec
 from kvcalib.demo_model import prepare_demo_model
@@ -40,7 +40,7 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int,
                 "engine check reads the scales back with a bf16 cache instead")
     except UsageError as exc:
         log(f"{exc}; the engine check will say so")
-    checked = verify.verify(ckpt, kv_cache_dtype=kv_dtype, max_model_len=2048,
+    checked = verification.verify(ckpt, kv_cache_dtype=kv_dtype, max_model_len=2048,
                             log_dir=output / "verify", log=log)
     report.write_json(output / "verify" / "verify.json", checked.to_dict())
     show(report.verify_summary(checked))

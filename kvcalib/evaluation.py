@@ -31,7 +31,7 @@ from kvcalib import checkpoint, corpus, data, engine, quantsim
 from kvcalib.calibration import REPORT_FILE
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
-from kvcalib.verify import StaticScales, static_checks
+from kvcalib.verification import StaticScales, static_checks
 
 CALIBRATED, SCALE_ONE, E5M2 = "calibrated (e4m3)", "scale 1.0 (e4m3)", "scale 1.0 (e5m2)"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"

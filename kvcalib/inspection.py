@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import verify
+from kvcalib import verification
 from kvcalib.calibration import REPORT_FILE
 from kvcalib.capacity import index_ranges
 from kvcalib.checks import FAIL
@@ -70,7 +70,7 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
     if outlier_ratio <= 1:
         raise UsageError(f"outlier ratio must be above 1, not {outlier_ratio}")
     folder = Path(folder)
-    checks, found = verify.static_checks(folder)
+    checks, found = verification.static_checks(folder)
     problems = [c.message for c in checks if c.status == FAIL]
     if found.scheme is None or not found.values:
         reason = problems[0] if problems else "no KV scale tensors were found"
@@ -82,7 +82,7 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
     seen = _seen_absmax(report)
     layers: dict[int, LayerScales] = {}
     for (index, kind), values in sorted(found.values.items()):
-        scales = KindScales(values.tolist(), (values * verify.FP8_E4M3_MAX).tolist(),
+        scales = KindScales(values.tolist(), (values * verification.FP8_E4M3_MAX).tolist(),
                             (values / median[kind]).tolist(), _per_value(seen, index, kind,
                                                                          values.size))
         layers.setdefault(index, LayerScales(index)).kinds[kind] = scales
@@ -124,7 +124,7 @@ def _per_value(seen: dict[tuple[int, str], list[float]], layer: int, kind: str,
     return [max(values)] if size == 1 else None
 
 
-def _report_mismatches(report: dict[str, Any], found: verify.StaticScales) -> list[str]:
+def _report_mismatches(report: dict[str, Any], found: verification.StaticScales) -> list[str]:
     """A report from another run (or an edited checkpoint) must not be read as this one's."""
     wrong = []
     for entry in report["layers"]:
@@ -132,7 +132,7 @@ def _report_mismatches(report: dict[str, Any], found: verify.StaticScales) -> li
             stored = found.values.get((entry["layer"], kind))
             if stored is None or f"{kind}_scale" not in entry:
                 continue
-            rtol = verify.STORAGE_RTOL.get(found.dtypes.get((entry["layer"], kind), "F32"), 1e-6)
+            rtol = verification.storage_rtol(found.dtypes.get((entry["layer"], kind)))
             reported = np.asarray(entry[f"{kind}_scale"], dtype=np.float64)
             if reported.shape != stored.shape or not np.allclose(reported, stored, rtol=rtol):
                 wrong.append(f"layer {entry['layer']} {kind}")
@@ -156,7 +156,7 @@ def _outliers(result: Inspection, dtypes: dict[tuple[int, str], str]) -> list[di
     for layer in result.layers:
         for kind, scales in layer.kinds.items():
             # A stored scale may round down by one step of its dtype below absmax / 448.
-            rtol = 2 * verify.STORAGE_RTOL.get(dtypes.get((layer.layer, kind), "F32"), 1e-6)
+            rtol = 2 * verification.storage_rtol(dtypes.get((layer.layer, kind)))
             for head, (scale, ratio) in enumerate(zip(scales.scale, scales.ratio, strict=True)):
                 where = {"layer": layer.layer, "kind": kind, "head": head if per_head else None,
                          "scale": scale, "ratio": ratio}
@@ -179,7 +179,7 @@ def summary(result: Inspection, heads: bool = False) -> str:
              f"{'/'.join(result.kinds)} scales on {len(result.layers)} attention layers",
              _calibration_line(result.calibration),
              "Median layer: " + ", ".join(
-                 f"{k}_scale {m:.4g} (absmax {m * verify.FP8_E4M3_MAX:.4g})"
+                 f"{k}_scale {m:.4g} (absmax {m * verification.FP8_E4M3_MAX:.4g})"
                  for k, m in result.median.items()), ""]
     headers = ["layer"]
     for kind in result.kinds:

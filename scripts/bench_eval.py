@@ -27,7 +27,7 @@ from kvcalib.calibration import calibrate
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.demo_model import prepare_demo_model
 from kvcalib.evaluation import batches, load_model, scales_of, sweep
-from kvcalib.verify import static_checks
+from kvcalib.verification import static_checks
 
 
 def forward_seconds(model, batch_list, simulation) -> float:

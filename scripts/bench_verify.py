@@ -113,7 +113,7 @@ def bytes_read() -> int:
 
 def measure(folder: Path) -> dict[str, float]:
     """Static check of `folder` in this process: seconds, bytes read, checks and failures."""
-    from kvcalib.verify import static_checks
+    from kvcalib.verification import static_checks
 
     started_bytes, started = bytes_read(), time.perf_counter()
     checks, _ = static_checks(folder)

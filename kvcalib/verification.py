@@ -195,6 +195,12 @@ def _short(values: list[float]) -> str:
 # Relative tolerance of a scale stored in each dtype, for comparing read-back values.
 STORAGE_RTOL = {"BF16": 2.0**-8, "F16": 2.0**-11, "F32": 1e-6, "F64": 1e-6}
 COMPARE_PROMPTS = 4
+
+
+def storage_rtol(dtype: str | None) -> float:
+    """How far two readings of a scale stored in `dtype` (safetensors name) may differ."""
+    return STORAGE_RTOL.get(dtype or "F32", 1e-6)
+
 COMPARE_PROMPT_CHARS = 1500
 
 
@@ -333,7 +339,7 @@ def _compare_scale(layer: int, kind: str, entry: dict[str, Any], found: StaticSc
     if kind == "q" and stored.size > got.size > 0:
         # vLLM keeps one q scale per KV head: the largest of each group of query heads.
         want = stored.reshape(got.size, -1).max(axis=1)
-    rtol = STORAGE_RTOL.get(found.dtypes.get((layer, kind), "F32"), 1e-6)
+    rtol = storage_rtol(found.dtypes.get((layer, kind)))
     as_float = entry.get(f"{kind}_float")
     same = got.shape == want.shape and np.allclose(got, want, rtol=rtol, atol=0)
     if same and as_float is not None:
