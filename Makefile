@@ -21,3 +21,5 @@ test: setup
 
 bench: setup
 	.venv/bin/python scripts/bench_calibrate.py
+	.venv/bin/python scripts/bench_verify.py
+	.venv/bin/python scripts/bench_eval.py

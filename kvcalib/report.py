@@ -124,7 +124,7 @@ def eval_summary(result) -> str:
     if result.kivi and result.kivi.get("bytes_per_token"):
         b = result.kivi["bytes_per_token"]
         lines.append(f"KIVI 2-bit bytes per token at {b['tokens']} tokens: {b['kivi']:,.0f} "
-                     f"(fp8 {b['fp8']:,}, 16-bit {b['16bit']:,}); long context: "
+                     f"(fp8 {b['fp8']:,.0f}, 16-bit {b['16bit']:,.0f}); long context: "
                      f"{b['kivi_long_context']:,.0f}")
     for note in result.notes:
         lines.append(f"Note: {note}")
