@@ -20,7 +20,6 @@ import contextlib
 import datetime
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -30,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvcalib import checkpoint, data
+from kvcalib import checkpoint, data, geometry, layouts
 from kvcalib.errors import CheckFailed, UsageError
 
 # llm-compressor logs INFO lines and a CPU warning per stage; keep its errors only,
@@ -44,8 +43,6 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 FP8_E4M3_MAX = 448.0
 SCALES_FILE = "kv_scales.safetensors"
 REPORT_FILE = "kvcalib_report.json"
-# Scale tensors of an attention module, as compressed-tensors names them.
-SCALE_NAME = re.compile(r"^(?P<module>.+)\.(?P<kind>[kvq])_(?:scale|zero_point)$")
 # A measured absmax and its stored scale may differ by the rounding of the model dtype.
 SCALE_RTOL = 2**-7
 
@@ -375,11 +372,10 @@ def _observe_queries(attention: dict[str, Any]) -> Iterator[None]:
 
 
 def layer_index(module_name: str) -> int:
-    """The decoder layer number in a module name such as model.layers.7.self_attn."""
-    match = re.search(r"\.(\d+)\.", f".{module_name}.")
-    if match is None:
+    layer = geometry.layer_number(module_name)
+    if layer is None:
         raise UsageError(f"cannot tell the layer number of attention module {module_name}")
-    return int(match.group(1))
+    return layer
 
 
 def _scale_tensors(attention: dict[str, Any], kinds: tuple[str, ...], dtype: str) -> dict[str, Any]:
@@ -457,7 +453,8 @@ def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
     for src in files:
         name = "model-00001-of-00001.safetensors" if src.name == "model.safetensors" else src.name
         tensors = checkpoint.file_tensors(src)
-        old_scales = {t for t in tensors if SCALE_NAME.match(t)}
+        found, twice = layouts.find_scales(tensors)
+        old_scales = {s.info.name for s in found} | set(twice)
         if old_scales:
             checkpoint.copy_tensors(src, out / name, drop=old_scales)
         else:

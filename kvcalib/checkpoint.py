@@ -62,15 +62,7 @@ def resolve_config(ref: str) -> dict[str, Any]:
     else:
         _check_hub_id(ref)
         folder, name = _download_from_hub(ref, ["config.json"]), "config.json"
-    try:
-        config = json.loads((folder / name).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{folder} has no {name}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{folder / name} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{folder / name} is not a model config (a JSON object)")
-    return config
+    return load_config(folder, name)
 
 
 def _check_hub_id(ref: str) -> None:
@@ -94,14 +86,18 @@ def _download_from_hub(repo_id: str, patterns: list[str]) -> Path:
     return Path(folder)
 
 
-def load_config(folder: Path) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
+def load_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
+    """A model config as a dict; anything else is a clear error (verify reports it)."""
+    path = Path(folder) / name
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UsageError(f"{folder} has no config.json") from None
+        raise UsageError(f"{folder} has no {name}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+        raise UsageError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not a model config (a JSON object)")
+    return config
 
 
 # ----- reading safetensors without loading weights ----- #

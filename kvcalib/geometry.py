@@ -6,6 +6,7 @@ token). Reads plain dicts, so it needs no transformers and knows no model classe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,12 @@ class Geometry:
         if self.mla_latent_dim is not None:
             return self.mla_latent_dim
         return 2 * self.num_kv_heads * self.head_dim
+
+
+def layer_number(module_name: str) -> int | None:
+    """The decoder layer number in a module name such as model.layers.7.self_attn."""
+    match = re.search(r"\.(\d+)\.", f".{module_name}.")
+    return int(match.group(1)) if match else None
 
 
 def _first(config: dict[str, Any], *names: str) -> Any:

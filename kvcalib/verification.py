@@ -15,7 +15,6 @@ machine that cannot run an FP8 KV cache), else 0.
 from __future__ import annotations
 
 import math
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -302,11 +301,6 @@ def _engine_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
     return checks
 
 
-def _layer_of(module_name: str) -> int | None:
-    match = re.search(r"\.(\d+)\.", f".{module_name}.")
-    return int(match.group(1)) if match else None
-
-
 def _readback_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
     """Every attention layer's loaded scales must equal the checkpoint's values."""
     scheme, shape = found.scheme, found.geometry
@@ -314,7 +308,8 @@ def _readback_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
     if scheme is not None and scheme.layout != "compressed-tensors" and not fp8_cache:
         return [Check("readback", SKIP, f"vLLM loads {scheme.layout} KV scales only with an "
                       "FP8 cache; nothing to read back")]
-    loaded = {_layer_of(name): entry for name, entry in (run.result.get("scales") or {}).items()}
+    loaded = {geometry.layer_number(name): entry
+              for name, entry in (run.result.get("scales") or {}).items()}
     kinds = _expected_kinds(scheme) if scheme else ("k", "v")
     checks = []
     for layer in shape.attention_layers if shape else sorted(k for k in loaded if k is not None):

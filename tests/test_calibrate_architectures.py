@@ -48,3 +48,23 @@ def test_model_without_attention_is_refused(tiny_model, tmp_path):
         calibrate(tiny_model("mamba"), tmp_path / "out", dataset=DatasetSpec("builtin"),
                   num_samples=1, max_seq_len=16, log=lambda _: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_recalibrating_a_calibrated_checkpoint_replaces_its_scales(tiny_model, tmp_path):
+    from safetensors import safe_open
+
+    first = calibrate(tiny_model("llama"), tmp_path / "first", dataset=DatasetSpec("builtin"),
+                      num_samples=2, max_seq_len=32, log=lambda _: None).output
+    second = calibrate(first, tmp_path / "second", strategy="attn_head", seed=1,
+                       dataset=DatasetSpec("builtin"), num_samples=2, max_seq_len=32,
+                       log=lambda _: None).output
+    index = json.loads((second / "model.safetensors.index.json").read_text())["weight_map"]
+    names = []
+    for file in sorted(set(index.values())):
+        with safe_open(second / file, "pt") as f:
+            names += list(f.keys())
+    scale_names = [n for n in names if n.endswith(("k_scale", "v_scale"))]
+    assert len(scale_names) == len(set(scale_names)) == 8  # no stale per-tensor copies
+    assert all(index[n] == "kv_scales.safetensors" for n in scale_names)
+    assert sorted(names) == sorted(index)
+    assert saved_scales(second)["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)

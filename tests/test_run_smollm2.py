@@ -69,8 +69,9 @@ def test_weights_bit_identical_and_files_copied(smol_tensor_q, demo_model):
 
 def test_report_contents(smol_attn_head):
     report = _report(smol_attn_head)
+    token_ids = sample_token_ids(smol_attn_head)  # re-tokenized from the report's rows
     assert report["samples"] == {"requested": 6, "used": 6, "max_seq_len": 128,
-                                 "num_tokens": report["samples"]["num_tokens"], "seed": 0}
+                                 "num_tokens": sum(map(len, token_ids)), "seed": 0}
     assert report["dataset"]["source"] == "builtin" and len(report["dataset"]["rows_used"]) == 6
     assert report["scheme"]["observer"] == "static_minmax"
     assert report["pipeline"]["used"] == "basic"
