@@ -139,7 +139,7 @@ def calibrate(
         "layers": layers,
     }
     log(f"Writing {target}")
-    with checkpoint.atomic_output_dir(target) as tmp:
+    with checkpoint.atomic_output_dir(target, overwrite) as tmp:
         write_checkpoint(tmp, model_dir, scales, quant_config, _recipe_yaml(modifier))
         report["timings_s"]["save"] = round(time.perf_counter() - t0, 3)
         report["timings_s"]["total"] = round(time.perf_counter() - started, 3)

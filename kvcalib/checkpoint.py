@@ -1,11 +1,14 @@
 """Checkpoint I/O: find a model folder, read safetensors headers and single tensors
-without loading weights, and write output folders atomically.
+without loading weights, and write outputs (folders and files) atomically.
 
 Only numpy is needed here, so that static checks stay fast on checkpoints of any size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import re
@@ -267,7 +270,7 @@ def copy_tensors(src: Path, dst: Path, drop: set[str]) -> None:
                 remaining -= len(chunk)
 
 
-# ----- writing output folders ----- #
+# ----- writing outputs ----- #
 
 
 def check_output_target(output: Path, model_dir: Path | None, overwrite: bool) -> Path:
@@ -289,51 +292,190 @@ def check_output_target(output: Path, model_dir: Path | None, overwrite: bool) -
                              "pass --overwrite to replace it")
     if not target.parent.is_dir():
         raise UsageError(f"the parent folder of --output does not exist: {target.parent}")
+    _check_writable_folder(target.parent, "--output", output)
     return target
 
 
+def check_output_file(path: Path, option: str) -> Path:
+    """Refuse, before any work, an output file that cannot be written whole: a folder, a
+    device or pipe (/dev/full accepts the open and fails the write), a path under a file,
+    an unwritable place. Returns the absolute path; a link is followed, so the file it
+    names is the one replaced."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name")
+    if target.exists():
+        if not target.is_file():
+            raise UsageError(f"{option} {path} is not a regular file (a device or pipe); "
+                             "kvcalib writes output files whole")
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"{option} {path} is not writable")
+    _check_writable_folder(target.parent, option, path)
+    return target.resolve()
+
+
+def check_output_folder(path: Path, option: str) -> Path:
+    """Refuse, before any work, an output folder that is a file or cannot be created."""
+    target = Path(path).expanduser()
+    _check_writable_folder(target, option, path)
+    return Path(os.path.abspath(target))
+
+
+def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
+    """The nearest existing folder at or above `folder` must be a folder we can write in
+    (missing ones are created when the output is written)."""
+    for existing in [folder, *Path(os.path.abspath(folder)).parents]:
+        if existing.exists():
+            if not existing.is_dir():
+                raise UsageError(f"{option} {path}: {existing} is a file, not a folder")
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise UsageError(f"{option} {path}: cannot write in {existing}")
+            return
+
+
 @contextmanager
-def atomic_output_dir(target: Path) -> Iterator[Path]:
+def atomic_output_file(target: Path) -> Iterator[Path]:
+    """Yield a temporary file beside `target`; it replaces `target` only once complete."""
+    target = Path(target)
+    _remove_stale_temporaries(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=_temporary_prefix(target), dir=target.parent)
+    except OSError as exc:
+        raise UsageError(f"cannot write {target}: {exc}") from None
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        _make_durable(tmp, _umask())
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"writing {target} failed: {exc}; nothing was written there") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_output_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside `target`; move it into place only on success.
 
-    A crash or interrupt leaves nothing at `target`, and an existing `target` is kept
-    until the new folder is complete.
+    A crash or interrupt leaves nothing at `target`. Without `overwrite`, the move fails
+    when `target` appeared meanwhile (another run finished there first); with it, an
+    existing `target` is kept until the new folder is complete.
     """
     target = Path(target)
     _remove_stale_temporaries(target)
-    prefix = f".{target.name}.kvcalib-tmp-{os.getpid()}-"
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(target), dir=target.parent))
     except OSError as exc:
         raise UsageError(f"cannot write to {target.parent}: {exc}") from None
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
+        umask = _umask()
         for path in tmp.rglob("*"):
             if path.is_file():
-                path.chmod(0o666 & ~umask)  # some writers create 0600 files
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
+                _make_durable(path, umask)
         tmp.chmod(0o777 & ~umask)
-        if target.exists():
-            old = target.parent / f".{target.name}.kvcalib-old-{uuid.uuid4().hex[:8]}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old)
+        if overwrite and os.path.lexists(target):
+            _replace_folder(tmp, target)
         else:
-            os.rename(tmp, target)
+            _remove_empty_folder(target)
+            rename_noreplace(tmp, target)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise UsageError(f"{target} appeared while this run was working (another run "
+                             "writing there?); it was left as it is, and this run's result "
+                             "was discarded") from None
         raise UsageError(f"writing {target} failed: {exc}; nothing was written there") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def _replace_folder(new: Path, target: Path) -> None:
+    """Swap `new` in for `target`; the old folder is removed only once `new` is in place."""
+    old = target.parent / f".{target.name}.kvcalib-old-{uuid.uuid4().hex[:8]}"
+    os.rename(target, old)
+    try:
+        rename_noreplace(new, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            rename_noreplace(old, target)
+        raise
+    if old.is_symlink():
+        old.unlink()
+    else:
+        shutil.rmtree(old)
+
+
+def _remove_empty_folder(target: Path) -> None:
+    """Remove the empty folder (or link to one) check_output_target accepted at `target`.
+    Anything put there since stays, and the rename then refuses to replace it."""
+    with contextlib.suppress(OSError):
+        if not target.is_symlink():
+            target.rmdir()
+        elif not any(target.iterdir()):
+            target.unlink()
+
+
+# From <linux/fs.h> and <fcntl.h>.
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_LIBC, "renameat2", None)  # glibc >= 2.28
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Move the folder `src` to `dst`, failing with FileExistsError when `dst` exists,
+    even if it appeared a moment ago.
+
+    Linux's renameat2(RENAME_NOREPLACE) checks and renames in one step. Where it is
+    missing (other systems, filesystems such as NFS that refuse the flag), creating `dst`
+    with mkdir claims the name just as atomically, and rename(2) then replaces that empty
+    folder, which POSIX allows only while it is empty.
+    """
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
+                      _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code), str(src), None, str(dst))
+    os.mkdir(dst)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(dst)
+        raise
+
+
+def _temporary_prefix(target: Path) -> str:
+    return f".{target.name}.kvcalib-tmp-{os.getpid()}-"
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _make_durable(path: Path, umask: int) -> None:
+    """Usual permissions (mkstemp and some writers create 0600 files), bytes on disk."""
+    path.chmod(0o666 & ~umask)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _remove_stale_temporaries(target: Path) -> None:
-    """Remove temporary folders that killed runs left beside `target`."""
+    """Remove temporary files and folders that killed runs left beside `target`."""
     for path in target.parent.glob(f".{target.name}.kvcalib-tmp-*"):
         pid = path.name.removeprefix(f".{target.name}.kvcalib-tmp-").split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

@@ -17,9 +17,12 @@ def _figure(width: float, height: float):
 
 
 def _save(figure, path: Path) -> Path:
+    """Write the figure whole at `path`, in the format its extension names (PNG without)."""
+    from kvcalib.checkpoint import atomic_output_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    with atomic_output_file(path) as tmp:
+        figure.savefig(tmp, dpi=120, format=path.suffix[1:] or "png")
     return path
 
 

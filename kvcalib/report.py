@@ -50,8 +50,15 @@ def calibration_summary(report: dict[str, Any]) -> str:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+    write_text(path, json.dumps(payload, indent=1) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace `path` whole (missing folders are created): a reader never sees half a file."""
+    from kvcalib.checkpoint import atomic_output_file
+
+    with atomic_output_file(path) as tmp:
+        tmp.write_text(text)
 
 
 _STATUS_ORDER = ["fail", "error", "warn", "pass", "skip"]
