@@ -93,9 +93,7 @@ def calibrate(
     config = _check_causal_lm(model_dir)
 
     log(f"Loading {model_dir}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
     samples = data.select_samples(dataset, tokenizer, num_samples, max_seq_len, seed)
     if len(samples.token_ids) < num_samples:
         log(f"Only {len(samples.token_ids)} usable samples in {dataset.source} "
@@ -153,7 +151,8 @@ def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
-    """The config as a dict, once we know transformers can build a causal LM from it."""
+    """The config as a dict, once we know transformers can build a causal LM from it and
+    the folder has weights to calibrate."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -170,7 +169,22 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     if quant and not _is_kv_only(quant):
         raise UsageError(f"{model_dir} is already quantized ({quant.get('quant_method')}); "
                          "kvcalib calibrates unquantized checkpoints")
+    try:
+        checkpoint.weight_files(model_dir)
+    except checkpoint.CheckpointError as exc:  # the input is unusable: not a failed check
+        raise UsageError(str(exc)) from None
     return config
+
+
+def _load_tokenizer(model_dir: Path):
+    """The model's tokenizer; a folder without one is a usage error, not a traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises many types for a missing tokenizer
+        first_line = next(iter(str(exc).splitlines()), type(exc).__name__)
+        raise UsageError(f"cannot load the tokenizer of {model_dir}: {first_line}") from None
 
 
 def _is_kv_only(quant: dict[str, Any]) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import KVCALIB, run_kvcalib, tree_digest
+from conftest import KVCALIB, TOKENIZER_FILES, linked_copy, run_kvcalib, tree_digest
 from kvcalib import calibrate
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import CheckFailed
@@ -53,6 +53,27 @@ def test_folder_that_is_not_a_causal_lm(tmp_path):
     _assert_error(_run(tmp_path / "m", tmp_path / "out"), 2, "is not a causal language model")
 
 
+def test_folder_with_only_a_config(tiny_model, tmp_path):
+    model = linked_copy(tiny_model("llama"), tmp_path / "m", leave_out=(
+        "model.safetensors", "generation_config.json", *TOKENIZER_FILES))
+    result = _run(model, tmp_path / "out")
+    _assert_error(result, 2, f"{model} has no .safetensors files")
+    assert "Loading" not in result.stderr  # refused before loading anything
+
+
+def test_folder_without_weights(tiny_model, tmp_path):
+    model = linked_copy(tiny_model("llama"), tmp_path / "m", leave_out=("model.safetensors",))
+    _assert_error(_run(model, tmp_path / "out"), 2, f"{model} has no .safetensors files")
+
+
+def test_folder_without_tokenizer(tiny_model, tmp_path):
+    model = linked_copy(tiny_model("llama"), tmp_path / "m", leave_out=TOKENIZER_FILES)
+    result = _run(model, tmp_path / "out")
+    _assert_error(result, 2, f"cannot load the tokenizer of {model}")
+    assert "Calibrating" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_model_without_attention_layers(tiny_model, tmp_path):
     _assert_error(_run(tiny_model("mamba"), tmp_path / "out"), 2,
                   "MambaForCausalLM has no attention layers llm-compressor can hook")
@@ -62,8 +83,8 @@ def test_model_without_attention_layers(tiny_model, tmp_path):
     ("--strategy", "channel", "unknown strategy 'channel'"),
     ("--observer", "avg", "unknown observer 'avg'"),
     ("--pipeline", "fast", "unknown pipeline 'fast'"),
-    ("--num-samples", "0", "--num-samples must be positive, got 0"),
-    ("--max-seq-len", "-5", "--max-seq-len must be positive, got -5"),
+    ("--num-samples", "0", "Invalid value for '--num-samples'"),
+    ("--max-seq-len", "-5", "Invalid value for '--max-seq-len'"),
 ])
 def test_bad_options(option, value, message, tiny_model, tmp_path):
     _assert_error(_run(tiny_model("llama"), tmp_path / "out", option, value), 2, message)
@@ -173,13 +194,37 @@ def _wait_for(process: subprocess.Popen, marker: str) -> None:
     raise AssertionError(f"{marker!r} never printed; exit {process.wait()}")
 
 
-def test_sigterm_while_calibrating_leaves_nothing(demo_model, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_while_calibrating_leaves_nothing(signum, demo_model, tmp_path):
     process = _start(demo_model, tmp_path / "out")
     _wait_for(process, "Calibrating")
     time.sleep(2)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 130
+    process.send_signal(signum)  # SIGINT is what Ctrl-C sends
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert stderr.rstrip().endswith("\nInterrupted; nothing was written."), stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_runs_to_one_output_never_replace_each_other(tiny_model, tmp_path):
+    """Both pass the up-front check; the one finishing second must not replace the first."""
+    out = tmp_path / "out"
+    first = _start(tiny_model("llama"), out, "--num-samples", "3", "--max-seq-len", "16")
+    _wait_for(first, "Loading")  # past its check of --output
+    first.send_signal(signal.SIGSTOP)  # hold it there while the second one runs to the end
+    try:
+        second = _run(tiny_model("qwen2"), out)
+        assert second.returncode == 0, second.stderr
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 2, stderr
+    assert f"Error: {out} appeared while this run was working" in stderr
+    assert "Traceback" not in stderr
+    report = json.loads((out / "kvcalib_report.json").read_text())  # the second's, whole
+    assert Path(report["model"]["path"]) == tiny_model("qwen2").resolve()
+    assert report["samples"]["used"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left
 
 
 def test_kill_while_writing_leaves_no_output_and_keeps_the_old_one(demo_model, tmp_path):
