@@ -1,23 +1,59 @@
 # Two commands do all setup on a fresh machine (see README.md):
 #   make demo   the whole job offline on the demo model
 #   make test   lint and the full test suite (what CI runs)
+# A fresh machine needs Python 3.11 and pip; everything else comes from uv.lock.
 PYTHON ?= python3
+UV_VERSION := 0.13.9
+UV := .tools/uv-$(UV_VERSION)/bin/uv
+# The CPU torch wheel uv.lock names (pyproject.toml [tool.uv.sources]) and its pip pin.
+TORCH_WHEEL := $(shell sed -n 's/^torch = { path = "\(.*\)" }$$/\1/p' pyproject.toml)
+TORCH_PIN := torch==$(word 2,$(subst -, ,$(notdir $(TORCH_WHEEL))))
+TORCH_INDEX := https://download.pytorch.org/whl/cpu
+export UV_PYTHON := 3.11
 
-.PHONY: setup demo test lint bench
+.PHONY: setup calib-env serve-env demo test test-fast lint bench lock
 
-setup:
-	$(PYTHON) scripts/bootstrap.py
+setup: calib-env serve-env
+
+# uv itself, pinned, from PyPI, inside this clone.
+$(UV):
+	$(PYTHON) -m pip install --quiet --target .tools/uv-$(UV_VERSION) uv==$(UV_VERSION)
+
+# From PyTorch's CPU index, or wherever pip is configured to find it (pip tolerates an
+# unreachable index); uv checks it against the sha256 in uv.lock when it installs it.
+$(TORCH_WHEEL):
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary :all: --implementation cp \
+	    --python-version 3.11 --abi cp311 --platform manylinux_2_28_x86_64 --retries 1 \
+	    --extra-index-url $(TORCH_INDEX) --dest $(dir $(TORCH_WHEEL)) $(TORCH_PIN)
+
+# Each clone has its own environments, hard-linked from uv's cache. A .venv or
+# .venv-serve link to a shared env (the old layout) is replaced, never synced into.
+calib-env: $(UV) $(TORCH_WHEEL)
+	@if [ -L .venv ]; then rm .venv; fi
+	$(UV) sync --locked
+
+serve-env: $(UV) $(TORCH_WHEEL)
+	@if [ -L .venv-serve ]; then rm .venv-serve; fi
+	UV_PROJECT_ENVIRONMENT=.venv-serve $(UV) sync --locked --only-group serve
+
+# After changing a pin in pyproject.toml: `make lock`, then commit uv.lock.
+lock: $(UV) $(TORCH_WHEEL)
+	$(UV) lock
 
 demo: setup
 	.venv/bin/kvcalib demo
 
-lint: setup
+lint: calib-env
 	.venv/bin/ruff check kvcalib tests scripts
 
 test: setup
 	.venv/bin/ruff check kvcalib tests scripts
 	.venv/bin/kvcalib demo-model
 	.venv/bin/python -m pytest -v --durations=15
+
+# Tests that need neither torch nor vLLM; importing either fails them (tests/fast/no_torch).
+test-fast: calib-env
+	PYTHONPATH=tests/fast/no_torch .venv/bin/python -m pytest -q tests/fast
 
 bench: setup
 	.venv/bin/python scripts/bench_calibrate.py

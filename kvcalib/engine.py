@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib.corpus import kvcalib_home
 from kvcalib.errors import UsageError
 
 PROBE = Path(__file__).resolve().parent / "probe" / "vllm_probe.py"
@@ -79,7 +78,7 @@ def resolve_vllm_python(explicit: str | None = None) -> tuple[str, str]:
     """The serving interpreter and where it came from.
 
     Order: --vllm-python, $KVCALIB_VLLM_PYTHON, this interpreter if it has vLLM, the
-    serving env that scripts/bootstrap.py made.
+    serving env `make setup` made beside this one (.venv-serve next to .venv).
     """
     if explicit:
         return _existing(explicit, "--vllm-python"), "--vllm-python"
@@ -87,9 +86,9 @@ def resolve_vllm_python(explicit: str | None = None) -> tuple[str, str]:
         return _existing(os.environ[ENV_PYTHON], f"${ENV_PYTHON}"), f"${ENV_PYTHON}"
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable, "this interpreter"
-    recorded = kvcalib_home() / "serving-python"
-    if recorded.exists():
-        return _existing(recorded.read_text().strip(), str(recorded)), str(recorded)
+    beside = Path(sys.prefix).parent / ".venv-serve" / "bin" / "python"
+    if beside.is_file():
+        return str(beside), str(beside.parent.parent)
     raise UsageError("vLLM is not available: pass --vllm-python PATH (the serving "
                      f"environment's python), set ${ENV_PYTHON}, run `make setup`, or use "
                      "--static-only")

@@ -1,7 +1,8 @@
 """Shared fixtures: the real demo model, tiny random models, calibrated checkpoints.
 
 Expensive things (model conversion, calibrations, vLLM engine starts) are session
-fixtures, so each happens once per test run.
+fixtures, so each happens once per test run. This file imports no torch (fixtures and
+helpers that need it import it inside), so the fast tier (tests/fast) runs without it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    import torch
 
 KVCALIB = Path(sys.executable).parent / "kvcalib"
 SCALES = "kv_scales.safetensors"
@@ -29,6 +32,40 @@ def run_kvcalib(*args: object, timeout: float = 900, **kwargs) -> subprocess.Com
     """Run the installed `kvcalib` console script, as a user or pipeline would."""
     return subprocess.run([str(KVCALIB), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+def assert_error(result: subprocess.CompletedProcess, code: int, message: str) -> None:
+    """A user error: the documented exit code, the message, no traceback."""
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def kvcalib_run(model: object, output: object, *extra: object,
+                **kwargs) -> subprocess.CompletedProcess:
+    """`kvcalib run` on two 16-token samples of the built-in corpus."""
+    return run_kvcalib("run", "--model", model, "--output", output, "--dataset", "builtin",
+                       "--num-samples", 2, "--max-seq-len", 16, *extra, **kwargs)
+
+
+def verify_static(ckpt: Path, out_dir: Path) -> tuple[int, dict, str]:
+    """`kvcalib verify --static-only`: the exit code, the JSON report (a JUnit file beside
+    it) and what was printed."""
+    result = run_kvcalib("verify", ckpt, "--static-only", "--json", out_dir / "v.json",
+                         "--junit", out_dir / "v.xml")
+    return result.returncode, json.loads((out_dir / "v.json").read_text()), result.stdout
+
+
+def failures(report: dict) -> list[str]:
+    """The messages of a report's failed checks."""
+    return [c["message"] for c in report["checks"] if c["status"] == "fail"]
+
+
+def inspect_json(ckpt: Path, *args: object) -> dict:
+    """`kvcalib inspect --json -`, which must succeed."""
+    result = run_kvcalib("inspect", ckpt, "--json", "-", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def tree_digest(folder: Path) -> str:
@@ -54,6 +91,8 @@ def linked_copy(src: Path, dst: Path, leave_out: tuple[str, ...] = ()) -> Path:
 def copy_checkpoint(src: Path, dst: Path,
                     edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
     """A copy whose weight file is a link (as in the HF cache); `edit` changes the scales."""
+    from safetensors.torch import load_file, save_file
+
     dst.mkdir()
     for item in src.iterdir():
         if item.name.startswith("model-"):

@@ -7,7 +7,6 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from kvcalib import corpus
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.errors import UsageError
 
@@ -112,13 +111,3 @@ def test_hub_dataset_offline_is_a_clear_error(tokenizer, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UsageError, match="Hub cannot be reached and it is not in the local cache"):
         _pick(tokenizer, "HuggingFaceH4/ultrachat_200k")
-
-
-def test_builtin_corpus_is_long_real_text():
-    docs = corpus.documents()
-    assert len(docs) > 200
-    assert all(len(d["text"]) >= corpus.MIN_DOCUMENT_CHARS for d in docs)
-    assert len({d["id"] for d in docs}) == len(docs)
-    ids = {d["id"] for d in docs}
-    assert "topic:assignment" in ids and "module:json" in ids
-    assert corpus.documents() == docs  # the cached copy reads back the same

@@ -10,18 +10,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from conftest import linked_copy, run_kvcalib
+from conftest import inspect_json, linked_copy, run_kvcalib
 
 FP8_MAX = 448.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _inspect_json(ckpt, *args) -> dict:
-    result = run_kvcalib("inspect", ckpt, "--json", "-", *args)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def _tensors(ckpt) -> dict[tuple[int, str], np.ndarray]:
@@ -59,7 +52,7 @@ def _check_values(report: dict, tensors: dict, ratio_limit: float = 4.0) -> None
 
 
 def test_attn_head_values_equal_the_tensors(smol_attn_head):
-    report = _inspect_json(smol_attn_head)
+    report = inspect_json(smol_attn_head)
     tensors = _tensors(smol_attn_head)
     assert len(tensors) == 30 * 2 and all(v.size == 3 for v in tensors.values())
     assert report["strategy"] == "attn_head" and report["layout"] == "compressed-tensors"
@@ -76,7 +69,7 @@ def test_attn_head_values_equal_the_tensors(smol_attn_head):
 
 
 def test_tensor_scales_with_q(smol_tensor_q):
-    report = _inspect_json(smol_tensor_q, "--outlier-ratio", 2)
+    report = inspect_json(smol_tensor_q, "--outlier-ratio", 2)
     tensors = _tensors(smol_tensor_q)
     assert {kind for _, kind in tensors} == {"k", "v", "q"}
     assert all(v.size == 1 for v in tensors.values())
@@ -121,7 +114,7 @@ def test_heatmap_png(smol_attn_head, tmp_path):
 
 def test_line_plot_png(smol_tensor_q, tmp_path):
     path = tmp_path / "scales.png"
-    report = _inspect_json(smol_tensor_q, "--plot", path)  # JSON and the plot together
+    report = inspect_json(smol_tensor_q, "--plot", path)  # JSON and the plot together
     assert report["strategy"] == "tensor"
     width, height = _png_size(path)
     assert width > 300 and height > 200
@@ -131,7 +124,7 @@ def test_line_plot_png(smol_tensor_q, tmp_path):
 def test_without_report(smol_attn_head, tmp_path):
     """Only config and scales are needed: links to everything but the report."""
     ckpt = linked_copy(smol_attn_head, tmp_path / "ckpt", leave_out=("kvcalib_report.json",))
-    report = _inspect_json(ckpt)
+    report = inspect_json(ckpt)
     assert report["calibration"] is None
     _check_values(report, _tensors(smol_attn_head))
     text = run_kvcalib("inspect", ckpt).stdout
@@ -143,43 +136,10 @@ def test_report_from_another_run_is_pointed_out(smol_attn_head, tmp_path):
     report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
     report["layers"][2]["v_scale"] = [s * 2 for s in report["layers"][2]["v_scale"]]
     (ckpt / "kvcalib_report.json").write_text(json.dumps(report))
-    shown = _inspect_json(ckpt)
+    shown = inspect_json(ckpt)
     assert shown["problems"] == ["kvcalib_report.json disagrees with the scale tensors at 1 "
                                  "scales (layer 2 v): it does not describe this checkpoint's "
                                  "scales"]
-
-
-def test_modelopt_hybrid_checkpoint(tmp_path):
-    """Another layout verify reads (ModelOpt names, hf_quant_config.json) on a Jamba-style
-    model whose attention layers are 1, 3, 5, 7, 9; layer 7's k scale is 5x the median."""
-    config = {"architectures": ["JambaForCausalLM"], "model_type": "jamba",
-              "num_hidden_layers": 10, "attn_layer_period": 2, "attn_layer_offset": 1,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
-              "torch_dtype": "bfloat16"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
-        {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
-    k = {1: 0.02, 3: 0.021, 5: 0.019, 7: 0.1, 9: 0.02}
-    tensors = {"model.embed_tokens.weight": np.zeros((8, 64), dtype=np.float32)}
-    for layer, value in k.items():
-        prefix = f"model.layers.{layer}.self_attn"
-        tensors[f"{prefix}.k_proj.k_scale"] = np.array(value, dtype=np.float32)
-        tensors[f"{prefix}.v_proj.v_scale"] = np.array(0.01, dtype=np.float32)
-    save_file(tensors, tmp_path / "model.safetensors")
-    report = _inspect_json(tmp_path)
-    assert report["layout"] == "modelopt" and report["strategy"] == "tensor"
-    assert [layer["layer"] for layer in report["layers"]] == [1, 3, 5, 7, 9]
-    stored = {layer: float(np.float32(value)) for layer, value in k.items()}
-    median = float(np.float32(0.02))
-    assert report["median"]["k"] == median
-    layer7 = report["layers"][3]["kinds"]["k"]
-    assert layer7["scale"] == [stored[7]]
-    assert layer7["absmax"] == [pytest.approx(stored[7] * FP8_MAX)]
-    assert layer7["ratio"] == [pytest.approx(stored[7] / median)]
-    assert [(o["layer"], o["kind"], o["head"]) for o in report["outliers"]] == [(7, "k", None)]
-    table = run_kvcalib("inspect", tmp_path).stdout
-    row7 = next(line for line in table.splitlines() if line.split()[:1] == ["7"])
-    assert row7.endswith("k x5.00")
 
 
 def test_not_a_calibrated_checkpoint(demo_model, tmp_path):

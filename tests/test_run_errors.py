@@ -12,71 +12,37 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import KVCALIB, TOKENIZER_FILES, linked_copy, run_kvcalib, tree_digest
+from conftest import (KVCALIB, TOKENIZER_FILES, assert_error, kvcalib_run, linked_copy,
+                      run_kvcalib, tree_digest)
 from kvcalib import calibrate
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import CheckFailed
 
 
-def _run(model, output, *extra, **kwargs):
-    return run_kvcalib("run", "--model", model, "--output", output, "--dataset", "builtin",
-                       "--num-samples", 2, "--max-seq-len", 16, *extra, **kwargs)
-
-
-def _assert_error(result, code: int, message: str) -> None:
-    assert result.returncode == code, (result.returncode, result.stderr)
-    assert message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_missing_model_path(tmp_path):
-    _assert_error(_run(tmp_path / "nope", tmp_path / "out"), 2, "model folder not found")
-
-
-def test_hub_id_offline_fails_fast(tmp_path):
-    started = time.monotonic()
-    result = _run("some-org/some-model", tmp_path / "out", env={**__import__("os").environ,
-                                                               "HF_HUB_OFFLINE": "1"})
-    _assert_error(result, 2, "is not a local folder, and the Hugging Face Hub cannot be reached")
-    assert time.monotonic() - started < 60
-
-
-def test_folder_without_config(tmp_path):
-    (tmp_path / "m").mkdir()
-    _assert_error(_run(tmp_path / "m", tmp_path / "out"), 2, "has no config.json")
-
-
-def test_folder_that_is_not_a_causal_lm(tmp_path):
-    from transformers import ResNetConfig
-
-    ResNetConfig().save_pretrained(tmp_path / "m")
-    _assert_error(_run(tmp_path / "m", tmp_path / "out"), 2, "is not a causal language model")
-
-
 def test_folder_with_only_a_config(tiny_model, tmp_path):
     model = linked_copy(tiny_model("llama"), tmp_path / "m", leave_out=(
         "model.safetensors", "generation_config.json", *TOKENIZER_FILES))
-    result = _run(model, tmp_path / "out")
-    _assert_error(result, 2, f"{model} has no .safetensors files")
+    result = kvcalib_run(model, tmp_path / "out")
+    assert_error(result, 2, f"{model} has no .safetensors files")
     assert "Loading" not in result.stderr  # refused before loading anything
 
 
 def test_folder_without_weights(tiny_model, tmp_path):
     model = linked_copy(tiny_model("llama"), tmp_path / "m", leave_out=("model.safetensors",))
-    _assert_error(_run(model, tmp_path / "out"), 2, f"{model} has no .safetensors files")
+    assert_error(kvcalib_run(model, tmp_path / "out"), 2, f"{model} has no .safetensors files")
 
 
 def test_folder_without_tokenizer(tiny_model, tmp_path):
     model = linked_copy(tiny_model("llama"), tmp_path / "m", leave_out=TOKENIZER_FILES)
-    result = _run(model, tmp_path / "out")
-    _assert_error(result, 2, f"cannot load the tokenizer of {model}")
+    result = kvcalib_run(model, tmp_path / "out")
+    assert_error(result, 2, f"cannot load the tokenizer of {model}")
     assert "Calibrating" not in result.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_model_without_attention_layers(tiny_model, tmp_path):
-    _assert_error(_run(tiny_model("mamba"), tmp_path / "out"), 2,
-                  "MambaForCausalLM has no attention layers llm-compressor can hook")
+    assert_error(kvcalib_run(tiny_model("mamba"), tmp_path / "out"), 2,
+                 "MambaForCausalLM has no attention layers llm-compressor can hook")
 
 
 @pytest.mark.parametrize("option, value, message", [
@@ -87,7 +53,7 @@ def test_model_without_attention_layers(tiny_model, tmp_path):
     ("--max-seq-len", "-5", "Invalid value for '--max-seq-len'"),
 ])
 def test_bad_options(option, value, message, tiny_model, tmp_path):
-    _assert_error(_run(tiny_model("llama"), tmp_path / "out", option, value), 2, message)
+    assert_error(kvcalib_run(tiny_model("llama"), tmp_path / "out", option, value), 2, message)
     assert not (tmp_path / "out").exists()
 
 
@@ -97,29 +63,29 @@ def _with_dataset(model, tmp_path, dataset: Path):
 
 
 def test_missing_dataset(tiny_model, tmp_path):
-    _assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "none.jsonl"), 2,
-                  "dataset not found")
+    assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "none.jsonl"), 2,
+                 "dataset not found")
 
 
 def test_empty_dataset(tiny_model, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
-    _assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "empty.jsonl"), 2,
-                  "empty.jsonl")
+    assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "empty.jsonl"), 2,
+                 "empty.jsonl")
 
 
 def test_dataset_without_text_column(tiny_model, tmp_path):
     (tmp_path / "d.jsonl").write_text('{"label": 1, "score": 0.5}\n' * 3)
-    _assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "d.jsonl"), 2,
-                  "has no text or messages column (columns: ['label', 'score'])")
+    assert_error(_with_dataset(tiny_model("llama"), tmp_path, tmp_path / "d.jsonl"), 2,
+                 "has no text or messages column (columns: ['label', 'score'])")
 
 
 def test_output_not_empty_needs_overwrite(tiny_model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    _assert_error(_run(tiny_model("llama"), out), 2, "exists and is not empty")
+    assert_error(kvcalib_run(tiny_model("llama"), out), 2, "exists and is not empty")
     assert (out / "keep.txt").read_text() == "precious"
-    result = _run(tiny_model("llama"), out, "--overwrite")
+    result = kvcalib_run(tiny_model("llama"), out, "--overwrite")
     assert result.returncode == 0, result.stderr
     assert not (out / "keep.txt").exists() and (out / "kv_scales.safetensors").exists()
 
@@ -127,15 +93,16 @@ def test_output_not_empty_needs_overwrite(tiny_model, tmp_path):
 def test_output_inside_the_model_folder(tiny_model):
     model = tiny_model("llama")
     before = tree_digest(model)
-    _assert_error(_run(model, model / "calibrated"), 2, "is inside the input model folder")
-    _assert_error(_run(model, model.parent, "--overwrite"), 2, "contains the input model folder")
+    assert_error(kvcalib_run(model, model / "calibrated"), 2, "is inside the input model folder")
+    assert_error(kvcalib_run(model, model.parent, "--overwrite"), 2,
+                 "contains the input model folder")
     assert tree_digest(model) == before
 
 
 def test_input_folder_is_never_modified(tiny_model, tmp_path):
     model = tiny_model("qwen3")
     before = tree_digest(model)
-    assert _run(model, tmp_path / "out").returncode == 0
+    assert kvcalib_run(model, tmp_path / "out").returncode == 0
     assert tree_digest(model) == before
 
 
@@ -145,8 +112,8 @@ def test_write_failure_leaves_nothing(demo_model, tmp_path):
     def small_file_limit():  # the 269 MB weight copy fails with EFBIG, like a full disk
         resource.setrlimit(resource.RLIMIT_FSIZE, (10 * 2**20, 10 * 2**20))
 
-    result = _run(demo_model, out, preexec_fn=small_file_limit)
-    _assert_error(result, 2, f"writing {out} failed")
+    result = kvcalib_run(demo_model, out, preexec_fn=small_file_limit)
+    assert_error(result, 2, f"writing {out} failed")
     assert "File too large" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -167,8 +134,8 @@ def _zeroed_model(tiny_model, tmp_path, value: float) -> Path:
 
 def test_zero_scale_is_a_failure_not_a_checkpoint(tiny_model, tmp_path):
     model = _zeroed_model(tiny_model, tmp_path, 0.0)
-    _assert_error(_run(model, tmp_path / "out"), 1,
-                  "model.layers.0.self_attn.k_scale: every k value seen was 0")
+    assert_error(kvcalib_run(model, tmp_path / "out"), 1,
+                 "model.layers.0.self_attn.k_scale: every k value seen was 0")
     assert not (tmp_path / "out").exists()
 
 
@@ -213,7 +180,7 @@ def test_two_runs_to_one_output_never_replace_each_other(tiny_model, tmp_path):
     _wait_for(first, "Loading")  # past its check of --output
     first.send_signal(signal.SIGSTOP)  # hold it there while the second one runs to the end
     try:
-        second = _run(tiny_model("qwen2"), out)
+        second = kvcalib_run(tiny_model("qwen2"), out)
         assert second.returncode == 0, second.stderr
     finally:
         first.send_signal(signal.SIGCONT)
@@ -238,7 +205,7 @@ def test_kill_while_writing_leaves_no_output_and_keeps_the_old_one(demo_model, t
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     assert (out / "old.txt").read_text() == "previous checkpoint"
     # The next run removes what the killed one left behind and completes.
-    result = _run(demo_model, out, "--overwrite")
+    result = kvcalib_run(demo_model, out, "--overwrite")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert json.loads((out / "kvcalib_report.json").read_text())["samples"]["used"] == 2

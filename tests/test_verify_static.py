@@ -4,27 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import INDEX, SCALES, copy_checkpoint, run_kvcalib
-
-
-def static(ckpt: Path, tmp_path: Path) -> tuple[int, dict, str]:
-    result = run_kvcalib("verify", ckpt, "--static-only", "--json", tmp_path / "v.json",
-                         "--junit", tmp_path / "v.xml")
-    return result.returncode, json.loads((tmp_path / "v.json").read_text()), result.stdout
-
-
-def failures(report: dict) -> list[str]:
-    return [c["message"] for c in report["checks"] if c["status"] == "fail"]
+from conftest import INDEX, SCALES, copy_checkpoint, failures, verify_static
 
 
 def test_good_checkpoint_passes(smol_attn_head, tmp_path):
-    code, report, stdout = static(smol_attn_head, tmp_path)
+    code, report, stdout = verify_static(smol_attn_head, tmp_path)
     assert code == 0, stdout
     scale_checks = [c for c in report["checks"] if c["group"] == "scales"]
     assert len(scale_checks) == 60 and all(c["status"] == "pass" for c in scale_checks)
@@ -59,7 +48,7 @@ K3 = "model.layers.3.self_attn.k_scale"
 ], ids=["nan", "inf", "zero", "negative", "1e-39", "3e38", "shape", "missing-layer"])
 def test_corrupted_scales_fail_precisely(edit, message, smol_attn_head, tmp_path):
     ckpt = copy_checkpoint(smol_attn_head, tmp_path / "ckpt", edit)
-    code, report, stdout = static(ckpt, tmp_path)
+    code, report, stdout = verify_static(ckpt, tmp_path)
     assert code == 1, stdout
     assert any(message in m for m in failures(report)), failures(report)
     assert len(failures(report)) == 1, failures(report)  # only the broken tensor
@@ -69,7 +58,7 @@ def test_corrupted_scales_fail_precisely(edit, message, smol_attn_head, tmp_path
 
 def test_zero_and_negative_are_named(smol_attn_head, tmp_path):
     ckpt = copy_checkpoint(smol_attn_head, tmp_path / "ckpt", _set(K3, 2, 0.0))
-    (message,) = failures(static(ckpt, tmp_path)[1])
+    (message,) = failures(verify_static(ckpt, tmp_path)[1])
     assert "is not positive" in message and ", 0.0]" in message
 
 
@@ -77,7 +66,7 @@ def test_truncated_shard(smol_attn_head, tmp_path):
     ckpt = copy_checkpoint(smol_attn_head, tmp_path / "ckpt")
     data = (ckpt / SCALES).read_bytes()
     (ckpt / SCALES).write_bytes(data[: len(data) - 64])
-    code, report, _ = static(ckpt, tmp_path)
+    code, report, _ = verify_static(ckpt, tmp_path)
     assert code == 1 and failures(report) == [
         f"{SCALES}: truncated: its header declares {len(data)} bytes, the file has "
         f"{len(data) - 64}"]
@@ -93,7 +82,7 @@ def test_bad_index(target, message, smol_attn_head, tmp_path):
     index = json.loads((ckpt / INDEX).read_text())
     index["weight_map"]["model.layers.0.self_attn.k_scale"] = target
     (ckpt / INDEX).write_text(json.dumps(index))
-    code, report, _ = static(ckpt, tmp_path)
+    code, report, _ = verify_static(ckpt, tmp_path)
     assert code == 1 and any(message in m for m in failures(report))
 
 
@@ -101,52 +90,10 @@ def test_all_ones_are_placeholders(smol_attn_head, tmp_path):
     def ones(scales):
         for name in scales:
             scales[name] = torch.ones_like(scales[name])
-    code, report, _ = static(copy_checkpoint(smol_attn_head, tmp_path / "c", ones), tmp_path)
+    code, report, _ = verify_static(copy_checkpoint(smol_attn_head, tmp_path / "c", ones), tmp_path)
     assert code == 1 and any("exactly 1.0: placeholders" in m for m in failures(report))
 
 
 def test_uncalibrated_model_fails(demo_model, tmp_path):
-    code, report, _ = static(demo_model, tmp_path)
+    code, report, _ = verify_static(demo_model, tmp_path)
     assert code == 1 and any("declares no KV-cache quantization" in m for m in failures(report))
-
-
-def _fake_checkpoint(folder: Path, quantization: dict, tensors: dict) -> Path:
-    """Two attention layers of a GQA model: only config.json and the scale tensors."""
-    folder.mkdir()
-    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
-              "num_key_value_heads": 2, "hidden_size": 512, "torch_dtype": "bfloat16",
-              "quantization_config": quantization}
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, folder / "model.safetensors")
-    return folder
-
-
-def test_modelopt_and_fp8_layouts(tmp_path):
-    def scale():
-        return torch.tensor(0.03, dtype=torch.float32)
-
-    modelopt = {f"model.layers.{i}.self_attn.{k}_proj.{k}_scale": scale() for i in (0, 1)
-                for k in "kv"}
-    ckpt = _fake_checkpoint(tmp_path / "modelopt", {"quant_method": "modelopt",
-                                                    "kv_cache_quant_algo": "FP8"}, modelopt)
-    code, report, stdout = static(ckpt, tmp_path)
-    assert code == 0, stdout
-    assert report["scheme"]["layout"] == "modelopt"
-    fp8 = {f"model.layers.{i}.self_attn.{k}_scale": scale() for i in (0, 1) for k in "kv"}
-    del fp8["model.layers.1.self_attn.v_scale"]
-    ckpt = _fake_checkpoint(tmp_path / "fp8", {"quant_method": "fp8"}, fp8)
-    code, report, _ = static(ckpt, tmp_path)
-    assert code == 1 and failures(report) == ["layer 1: no v_scale tensor; vLLM would use 1.0"]
-
-
-def test_unknown_format_is_unsupported_not_a_pass(tmp_path):
-    ckpt = _fake_checkpoint(tmp_path / "gptq", {"quant_method": "gptq", "bits": 4},
-                            {"x": torch.zeros(1)})
-    code, report, _ = static(ckpt, tmp_path)
-    assert code == 1 and failures(report)[0].startswith("unsupported checkpoint format: "
-                                                        "quant_method 'gptq'")
-
-
-def test_missing_folder_is_a_usage_error(tmp_path):
-    result = run_kvcalib("verify", tmp_path / "nope", "--static-only")
-    assert result.returncode == 2 and "checkpoint folder not found" in result.stderr

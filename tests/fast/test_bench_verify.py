@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_verify.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_verify.py"
 
 
 def test_static_verify_reads_under_one_megabyte(tmp_path):
