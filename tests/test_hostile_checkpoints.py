@@ -173,7 +173,7 @@ def _gap(header: dict) -> None:
 def test_invalid_offsets_fail_as_safetensors_refuses_them(edit, tmp_path):
     ckpt = checkpoint(tmp_path / "ckpt")
     _rewrite_offsets(ckpt / "model.safetensors", edit)
-    with pytest.raises(Exception, match="offset|incomplete"):  # the oracle refuses it too
+    with pytest.raises(Exception, match=r"offset|incomplete"):  # the oracle refuses it too
         safe_open(ckpt / "model.safetensors", "np")
     verify_fails(ckpt, tmp_path, "model.safetensors:")
     refused("inspect", ckpt, "model.safetensors:")
@@ -260,9 +260,9 @@ HEADER_CASES = _header_cases()
 def test_malformed_safetensors_header(case, tmp_path):
     ckpt = checkpoint(tmp_path / "ckpt")
     HEADER_CASES[case](ckpt)
-    with pytest.raises(Exception):  # noqa: B017 (the oracle raises its own error type)
-        with safe_open(ckpt / "model.safetensors", "np") as f:
-            [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
+    with (pytest.raises(Exception),  # noqa: B017 (the oracle raises its own error type)
+          safe_open(ckpt / "model.safetensors", "np") as f):
+        [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
     verify_fails(ckpt, tmp_path, "model.safetensors")
     refused("inspect", ckpt, "model.safetensors")
 
