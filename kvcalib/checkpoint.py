@@ -91,6 +91,8 @@ def _download_from_hub(repo_id: str, patterns: list[str]) -> Path:
 
 def load_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
     """A model config as a dict; anything else is a clear error (verify reports it)."""
+    if not (Path(folder) / name).exists() and not (Path(folder) / name).is_symlink():
+        raise CheckpointError(f"{folder} has no {name}")
     config = read_json(folder, name, what="model config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{name} is not a model config (a JSON object)")
@@ -363,8 +365,8 @@ def copy_tensors(folder: Path, name: str, dst: Path, drop: set[str]) -> None:
     if metadata is not None:
         new_header["__metadata__"] = metadata
     offset = 0
-    for name, info in sorted(kept.items(), key=lambda kv: kv[1].start):
-        new_header[name] = {"dtype": info.dtype, "shape": list(info.shape),
+    for key, info in sorted(kept.items(), key=lambda kv: kv[1].start):
+        new_header[key] = {"dtype": info.dtype, "shape": list(info.shape),
                             "data_offsets": [offset, offset + info.end - info.start]}
         offset += info.end - info.start
     blob = json.dumps(new_header, separators=(",", ":")).encode()
