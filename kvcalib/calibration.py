@@ -31,6 +31,7 @@ from typing import Any
 
 from kvcalib import checkpoint, data, geometry, layouts
 from kvcalib.errors import CheckFailed, UsageError
+from kvcalib.schema import REPORT_FILE, REPORT_SCHEMA_VERSION
 
 # llm-compressor logs INFO lines and a CPU warning per stage; keep its errors only,
 # unless the user asks for more.
@@ -42,7 +43,6 @@ PIPELINES = ("auto", "basic", "sequential")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 FP8_E4M3_MAX = 448.0
 SCALES_FILE = "kv_scales.safetensors"
-REPORT_FILE = "kvcalib_report.json"
 # A measured absmax and its stored scale may differ by the rounding of the model dtype.
 SCALE_RTOL = 2**-7
 
@@ -119,6 +119,7 @@ def calibrate(
     quant_config = _quantization_config(torch_model)
     t0 = time.perf_counter()
     report = {
+        "schema_version": REPORT_SCHEMA_VERSION,
         "kvcalib_version": metadata.version("kvcalib"),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": {"source": str(model), "path": str(model_dir),
@@ -465,14 +466,15 @@ def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
         copy(item, out / item.name)
     weight_map: dict[str, str] = {}
     for src in files:
-        name = "model-00001-of-00001.safetensors" if src.name == "model.safetensors" else src.name
-        tensors = checkpoint.file_tensors(src)
+        name = "model-00001-of-00001.safetensors" if src == "model.safetensors" else src
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        tensors = checkpoint.file_tensors(model_dir, src)
         found, twice = layouts.find_scales(tensors)
         old_scales = {s.info.name for s in found} | set(twice)
         if old_scales:
-            checkpoint.copy_tensors(src, out / name, drop=old_scales)
+            checkpoint.copy_tensors(model_dir, src, out / name, drop=old_scales)
         else:
-            shutil.copyfile(src, out / name)
+            shutil.copyfile(model_dir / src, out / name)
         weight_map.update({t: name for t in tensors if t not in old_scales})
     save_file({k: v.contiguous() for k, v in scales.items()}, out / SCALES_FILE,
               metadata={"format": "pt"})

@@ -53,7 +53,7 @@ from typing import Any
 
 from kvcalib import geometry
 from kvcalib.errors import UsageError
-from kvcalib.report import table
+from kvcalib.report import index_ranges, table
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default; its CPU backend uses 128
 BYTES_16BIT = 2
@@ -196,8 +196,8 @@ def _read_config(config: dict[str, Any], need_length: bool
         shape = geometry.geometry(config)
         if not need_length or _max_length(config) is not None:
             return config, shape, []
-        problem = UsageError(NO_LENGTH)
-    except UsageError as exc:
+        problem: UsageError = geometry.MissingField(NO_LENGTH)
+    except geometry.MissingField as exc:  # only missing fields; invalid values stay errors
         problem = exc
     full, filled = geometry.complete_config(config)
     if not filled:
@@ -208,7 +208,8 @@ def _read_config(config: dict[str, Any], need_length: bool
 def _max_length(config: dict[str, Any]) -> tuple[int, str] | None:
     """vLLM's default max_model_len, and where it came from."""
     text = geometry.text_config(config)
-    found = {key: int(text[key]) for key in MAX_LENGTH_KEYS if text.get(key) is not None}
+    found = {key: geometry.config_int(text, key) for key in MAX_LENGTH_KEYS
+             if text.get(key) is not None}
     if not found:
         return None
     key = min(found, key=found.__getitem__)
@@ -301,17 +302,6 @@ def _format(name: str, shape: geometry.Geometry, result: Estimate,
 
 
 # ----- rendering ----- #
-
-
-def index_ranges(indices: list[int]) -> str:
-    """'0-3, 7, 9-12': layer lists stay short in messages and tables."""
-    runs: list[list[int]] = []
-    for index in sorted(indices):
-        if runs and index == runs[-1][1] + 1:
-            runs[-1][1] = index
-        else:
-            runs.append([index, index])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def size(num_bytes: float) -> str:

@@ -10,9 +10,11 @@ import contextlib
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import shutil
+import stat
 import struct
 import tempfile
 import uuid
@@ -20,11 +22,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from kvcalib.errors import CheckFailed, UsageError
+from kvcalib.errors import UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
 # Header sizes above this are corrupt, not large: a 1 TB model's header is a few MB.
@@ -34,8 +36,9 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
-class CheckpointError(CheckFailed):
-    """The checkpoint's files are malformed (truncated, bad index, bad header)."""
+class CheckpointError(UsageError):
+    """A file of the checkpoint is malformed, missing or not where it may be (exit 2; verify
+    reports it as a failed check instead)."""
 
 
 # ----- finding a model ----- #
@@ -91,16 +94,88 @@ def _download_from_hub(repo_id: str, patterns: list[str]) -> Path:
 
 def load_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
     """A model config as a dict; anything else is a clear error (verify reports it)."""
-    path = Path(folder) / name
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{folder} has no {name}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path} is not valid JSON: {exc}") from None
+    if not (Path(folder) / name).exists() and not (Path(folder) / name).is_symlink():
+        raise CheckpointError(f"{folder} has no {name}")
+    config = read_json(folder, name, what="model config")
     if not isinstance(config, dict):
-        raise UsageError(f"{path} is not a model config (a JSON object)")
+        raise CheckpointError(f"{name} is not a model config (a JSON object)")
     return config
+
+
+# ----- opening the files a checkpoint contains: all of them are untrusted input ----- #
+
+# A real config, index or report is at most a few MB; larger is corrupt, not large.
+MAX_JSON_BYTES = 64 * 2**20
+# safetensors' own limit (MAX_HEADER_SIZE); a 1 TB model's header is a few MB.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def allowed_roots(folder: Path) -> tuple[Path, ...]:
+    """Where the files of a checkpoint folder may really live: inside the folder, and for a
+    Hugging Face cache snapshot (models--ORG--NAME/snapshots/REV, whose files are links
+    into ../../blobs) inside that repository's blobs folder."""
+    real = Path(folder).resolve()
+    roots = [real]
+    snapshots, repo = real.parent, real.parent.parent
+    if snapshots.name == "snapshots" and repo.name.startswith(("models--", "datasets--")):
+        roots.append(repo / "blobs")
+    return tuple(roots)
+
+
+def open_file(folder: Path, name: str) -> BinaryIO:
+    """Open `folder/name` for reading: only a regular file, only where allowed_roots says.
+
+    O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; it is refused
+    right after, by its type.
+    """
+    path = Path(folder) / name
+    real = path.resolve()
+    if not any(real.is_relative_to(root) for root in allowed_roots(folder)):
+        raise CheckpointError(f"{name} is a link to a file outside the checkpoint folder")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {name}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{name} is not a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_json(folder: Path, name: str, what: str = "JSON") -> Any:
+    """A JSON file of a checkpoint, bounded in size and depth."""
+    with open_file(folder, name) as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{name} is larger than {MAX_JSON_BYTES // 2**20} MiB: not a "
+                              f"{what}")
+    return parse_json(raw, name)
+
+
+def parse_json(raw: bytes, name: str) -> Any:
+    """JSON from bytes; malformed text, bad UTF-8 and absurd nesting are one clear error."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{name} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}") from None
+    except RecursionError:
+        raise CheckpointError(f"{name} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # a duplicate key, from _no_duplicate_keys
+        raise CheckpointError(f"{name} is not valid JSON: {exc}") from None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"key {twice!r} appears twice")
+    return result
 
 
 # ----- reading safetensors without loading weights ----- #
@@ -118,83 +193,122 @@ class TensorInfo:
     end: int
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header and the offset where tensor data starts; validated against size."""
-    size = path.stat().st_size
-    with open(path, "rb", buffering=0) as f:  # unbuffered: read the header and nothing more
+# Bits per element of every dtype safetensors 0.8 knows (its Dtype enum).
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+              "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16,
+              "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64,
+              "F64": 64, "I64": 64, "U64": 64}
+
+
+def file_tensors(folder: Path, name: str) -> dict[str, TensorInfo]:
+    """Every tensor of one safetensors file, from its header (see read_header)."""
+    return read_header(folder, name)[0]
+
+
+def read_header(folder: Path, name: str) -> tuple[dict[str, TensorInfo], dict[str, str] | None]:
+    """The tensors and metadata of one safetensors file, validated as the format's spec
+    and the safetensors library do: each entry names a known dtype, a shape of
+    non-negative integers and a byte range of exactly shape x dtype size; the ranges are
+    contiguous, do not overlap and cover the data to the file's last byte.
+
+    Values of a file that fails to parse are never echoed: the file may be anything.
+    """
+    path = Path(folder) / name
+    with open_file(folder, name) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path.name}: truncated: {size} bytes, no safetensors header")
+            raise CheckpointError(f"{name}: {size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", head)
         if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise CheckpointError(
-                f"{path.name}: truncated or corrupt: header claims {length} bytes, "
-                f"file has {size}"
-            )
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path.name}: header is not valid JSON: {exc}") from None
+            raise CheckpointError(f"{name}: not a safetensors file, or truncated: its header "
+                                  "length does not fit the file")
+        header = parse_json(f.read(length), f"{name} (safetensors header)")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{name}: the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"{name}: __metadata__ must map names to strings")
     data_start = 8 + length
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if ends and data_start + max(ends) > size:
-        raise CheckpointError(
-            f"{path.name}: truncated: its header declares {data_start + max(ends)} bytes, "
-            f"the file has {size}"
-        )
-    return header, data_start
+    tensors = {key: _tensor_info(name, path, key, entry, data_start)
+               for key, entry in header.items()}
+    offset = data_start
+    for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if info.start != offset:
+            raise CheckpointError(f"{name}: invalid offsets: {info.name} starts at byte "
+                                  f"{info.start - data_start} of the data, where the previous "
+                                  f"tensor ended at {offset - data_start} (a gap or an overlap)")
+        offset = info.end
+    if offset != size:
+        problem = "truncated" if offset > size else "corrupt"
+        raise CheckpointError(f"{name}: {problem}: its header declares {offset} bytes, the "
+                              f"file has {size}")
+    return tensors, metadata
 
 
-def file_tensors(path: Path) -> dict[str, TensorInfo]:
-    header, data_start = read_header(path)
-    return {
-        name: TensorInfo(
-            name,
-            path,
-            entry["dtype"],
-            tuple(entry["shape"]),
-            data_start + entry["data_offsets"][0],
-            data_start + entry["data_offsets"][1],
-        )
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
+def _tensor_info(file: str, path: Path, key: str, entry: Any, data_start: int) -> TensorInfo:
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{file}: tensor {key[:200]!r}: {why}")
+
+    if not isinstance(entry, dict):
+        raise bad("its header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise bad("unknown dtype")
+    if not isinstance(shape, list) or not all(_natural(n) for n in shape):
+        raise bad("shape must be a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_natural, offsets))
+            and offsets[0] <= offsets[1]):
+        raise bad("data_offsets must be two non-negative integers, begin <= end")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+        raise bad(f"shape {shape} of {dtype} needs {bits / 8:g} bytes, its data_offsets "
+                  f"span {offsets[1] - offsets[0]}")
+    return TensorInfo(key, path, dtype, tuple(shape), data_start + offsets[0],
+                      data_start + offsets[1])
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files a loader would read: the index's, or every file present."""
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def weight_files(folder: Path) -> list[str]:
+    """Names of the safetensors files a loader would read: the index's, or every file
+    present (regular files only; anything else is a finding, not a wait)."""
     folder = Path(folder)
-    index_path = folder / INDEX_NAME
-    if not index_path.exists():
-        files = sorted(folder.glob("*.safetensors"))
+    if not (folder / INDEX_NAME).exists():
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{folder} has no .safetensors files")
         return files
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{INDEX_NAME}: not a valid index ({exc})") from None
+    index = read_json(folder, INDEX_NAME, what="safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{INDEX_NAME}: not a valid index (it needs a weight_map of "
+                              "tensor names to file names)")
     files = []
     for name in sorted(set(weight_map.values())):
-        # Lexical check: files may be symlinks (the Hugging Face cache links into blobs/).
+        # Lexical check first; open_file then checks where links really lead.
         if Path(name).is_absolute() or os.path.normpath(name).startswith(".."):
-            raise CheckpointError(f"{INDEX_NAME} points outside the checkpoint folder: {name}")
-        path = folder / os.path.normpath(name)
-        if not path.is_file():
-            raise CheckpointError(f"{INDEX_NAME} points to a missing file: {name}")
-        files.append(path)
+            raise CheckpointError(f"{INDEX_NAME} points outside the checkpoint folder: "
+                                  f"{name[:200]}")
+        if not (folder / name).exists():
+            raise CheckpointError(f"{INDEX_NAME} points to a missing file: {name[:200]}")
+        files.append(os.path.normpath(name))
     return files
 
 
 def tensor_index(folder: Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint, from the headers only."""
     index: dict[str, TensorInfo] = {}
-    for path in weight_files(folder):
-        for name, info in file_tensors(path).items():
-            if name in index:
-                raise CheckpointError(f"tensor {name} is in both {index[name].file.name} "
-                                      f"and {path.name}")
-            index[name] = info
+    for name in weight_files(folder):
+        for key, info in file_tensors(folder, name).items():
+            if key in index:
+                raise CheckpointError(f"tensor {key[:200]} is in both {index[key].file.name} "
+                                      f"and {name}")
+            index[key] = info
     return index
 
 
@@ -238,28 +352,29 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
             values = values.astype(np.float64)
     else:
         raise CheckpointError(f"{info.name}: unsupported dtype {info.dtype}")
-    count = int(np.prod(info.shape)) if info.shape else 1
+    count = math.prod(info.shape)
     if values.size != count:
         raise CheckpointError(f"{info.name}: {values.size} values stored, shape {info.shape} "
                               f"needs {count}")
     return values.reshape(info.shape)
 
 
-def copy_tensors(src: Path, dst: Path, drop: set[str]) -> None:
-    """Write `src` without the tensors in `drop`; every kept tensor's bytes are unchanged."""
-    header, _ = read_header(src)
-    kept = {k: v for k, v in file_tensors(src).items() if k not in drop}
+def copy_tensors(folder: Path, name: str, dst: Path, drop: set[str]) -> None:
+    """Write `folder/name` to `dst` without the tensors in `drop`; every kept tensor's bytes
+    are unchanged."""
+    tensors, metadata = read_header(folder, name)
+    kept = {k: v for k, v in tensors.items() if k not in drop}
     new_header: dict[str, Any] = {}
-    if "__metadata__" in header:
-        new_header["__metadata__"] = header["__metadata__"]
+    if metadata is not None:
+        new_header["__metadata__"] = metadata
     offset = 0
-    for name, info in sorted(kept.items(), key=lambda kv: kv[1].start):
-        new_header[name] = {"dtype": info.dtype, "shape": list(info.shape),
+    for key, info in sorted(kept.items(), key=lambda kv: kv[1].start):
+        new_header[key] = {"dtype": info.dtype, "shape": list(info.shape),
                             "data_offsets": [offset, offset + info.end - info.start]}
         offset += info.end - info.start
     blob = json.dumps(new_header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned, as safetensors does
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with open_file(folder, name) as fin, open(dst, "wb") as fout:
         fout.write(struct.pack("<Q", len(blob)) + blob)
         for info in sorted(kept.values(), key=lambda i: i.start):
             fin.seek(info.start)

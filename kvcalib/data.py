@@ -191,6 +191,9 @@ def select_samples(
         used.append(index)
         if len(token_ids) == num_samples:
             break
+    if not token_ids and exclude_rows:
+        raise UsageError(f"every usable row of dataset {spec.source} was used for calibration "
+                         f"({len(exclude_rows)} rows): pass --dataset with other text")
     if not token_ids:
         raise UsageError(f"dataset {spec.source} has no usable rows in column {column!r}")
     identity = {**spec.describe(), "text_column": column, "num_rows": len(rows),

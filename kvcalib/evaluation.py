@@ -16,8 +16,9 @@ exact reference run of the same model on the same tokens:
 
 from __future__ import annotations
 
-import json
+import math
 import random
+import reprlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from kvcalib import checkpoint, corpus, data, engine, layouts, quantsim
-from kvcalib.calibration import REPORT_FILE
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
-from kvcalib.verification import StaticScales, static_checks
+from kvcalib.schema import CalibrationReport, load_report
+from kvcalib.verification import StaticScales, scale_checks, static_checks
 
 CALIBRATED, SCALE_ONE, E5M2 = "calibrated (e4m3)", "scale 1.0 (e4m3)", "scale 1.0 (e5m2)"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
@@ -116,13 +117,17 @@ def scales_of(found: StaticScales) -> dict[int, dict[str, Any]]:
 
 
 def load_scales(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
-    """Scales of another checkpoint of the same model, or a .safetensors file of scales."""
+    """Scales of another checkpoint of the same model, or a .safetensors file of scales,
+    validated exactly as `verify` validates a checkpoint's."""
     if path.is_file():
-        return _scales_file(path, like)
-    checks, found = static_checks(path)
+        checks, found = _scales_file(path, like)
+    else:
+        checks, found = static_checks(path)
     problems = [c.message for c in checks if c.status == FAIL]
-    if not found.values:
-        raise UsageError(f"--compare {path}: no usable KV scales ({'; '.join(problems[:3])})")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UsageError(f"--compare {path}: its KV scales do not pass verify: "
+                         f"{'; '.join(problems[:3])}{more}")
     mine, theirs = like.geometry, found.geometry
     if mine and theirs and (mine.attention_layers, mine.num_kv_heads) != (
             theirs.attention_layers, theirs.num_kv_heads):
@@ -133,41 +138,45 @@ def load_scales(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
     return scales_of(found)
 
 
-def _scales_file(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
-    """k/v(/q) scales named as in a checkpoint, checked against this model's shape."""
-    scales, _ = layouts.find_scales(checkpoint.file_tensors(path))
-    found = StaticScales(like.scheme, like.geometry)
-    for scale in scales:
-        found.values[(scale.layer, scale.kind)] = checkpoint.read_tensor(scale.info).ravel()
-    shape = like.geometry
-    layers = {layer for layer, _ in found.values}
-    if not found.values or (shape and layers != set(shape.attention_layers)):
-        raise UsageError(f"--compare {path}: scales for layers {sorted(layers)}; this model's "
-                         f"attention layers are {shape.attention_layers if shape else '?'}")
-    if shape and any(v.size not in (1, shape.num_kv_heads, shape.num_heads)
-                     for v in found.values.values()):
-        raise UsageError(f"--compare {path}: scale sizes do not fit {shape.num_kv_heads} KV "
-                         "heads")
-    return scales_of(found)
+def _scales_file(path: Path, like: StaticScales) -> tuple[list[Check], StaticScales]:
+    """k/v(/q) scales named as in a checkpoint, checked against this model's shape; their
+    strategy (per tensor or per head) is what the file holds."""
+    if like.geometry is None:
+        raise UsageError(f"--compare {path}: the checkpoint's own config is unreadable")
+    scales, duplicates = layouts.find_scales(checkpoint.file_tensors(path.parent, path.name))
+    per_head = any(math.prod(s.info.shape) > 1 for s in scales if s.kind != "q")
+    scheme = layouts.KvScheme("scales file", strategy="attn_head" if per_head else "tensor",
+                              quantizes_query=any(s.kind == "q" for s in scales))
+    found = StaticScales(scheme, like.geometry)
+    checks = [Check("scales", FAIL, f"{name}: a second scale for the same layer and kind")
+              for name in duplicates]
+    return checks + scale_checks(scales, found), found
 
 
 # ----- held-out text ----- #
 
 
-def held_out(ckpt: Path, tokenizer, spec: data.DatasetSpec | None, num_samples: int,
-             max_seq_len: int, seed: int) -> data.Samples:
-    """Rows the calibration did not use (from its report), else the given dataset."""
-    report_path = ckpt / REPORT_FILE
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+def held_out(report: CalibrationReport | None, tokenizer, spec: data.DatasetSpec | None,
+             num_samples: int, max_seq_len: int, seed: int, notes: list[str]) -> data.Samples:
+    """Held-out text: the given dataset, else the built-in corpus; rows calibration used
+    (from its report) are left out when it is the same dataset.
+
+    The report is part of the checkpoint, so it is not trusted to choose what to read: its
+    dataset is used only when it is the built-in corpus or the user names it (--dataset).
+    """
     calibrated_on = None
-    if report:
-        ds = report["dataset"]
-        calibrated_on = data.DatasetSpec(ds["source"], ds.get("config"), ds.get("split"),
-                                         ds.get("text_column"))
-    spec = spec or calibrated_on or data.DatasetSpec(corpus.NAME)
-    exclude = set()
-    if report and calibrated_on and spec.describe() == calibrated_on.describe():
-        exclude = set(report["dataset"]["rows_used"])
+    if report is not None:
+        ds = report.dataset
+        calibrated_on = data.DatasetSpec(ds.source, ds.config, ds.split, ds.text_column)
+    if spec is None:
+        spec = data.DatasetSpec(corpus.NAME)
+        if calibrated_on and calibrated_on.source != corpus.NAME:
+            notes.append(f"calibration used dataset {reprlib.repr(calibrated_on.source)}; eval "
+                         "reads it only when named with --dataset, so it used the built-in "
+                         "corpus")
+    exclude: set[int] = set()
+    if report is not None and calibrated_on and spec.describe() == calibrated_on.describe():
+        exclude = set(report.dataset.rows_used)
     samples = data.select_samples(spec, tokenizer, num_samples, max_seq_len, seed,
                                   exclude_rows=exclude)
     samples.dataset["excluded_calibration_rows"] = len(exclude)
@@ -365,14 +374,21 @@ def evaluate(
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
-    _, found = static_checks(ckpt)
+    checks, found = static_checks(ckpt)
+    unreadable = [c.message for c in checks if c.status == FAIL
+                  and c.group in ("config", "weights", "layers")]
+    if unreadable:
+        raise UsageError(f"cannot evaluate {ckpt}: {unreadable[0]}")
+    report = load_report(ckpt)  # validated before the slow model load
     notes = []
-    own = scales_of(found)
+    bad_scales = [c.message for c in checks if c.status == FAIL]
+    own = {} if bad_scales else scales_of(found)
     if not own:
-        notes.append("the checkpoint has no usable KV scales: only the scale-1.0 (E4M3) and "
-                     "E5M2 baselines are evaluated")
+        why = f"its scales fail verify ({bad_scales[0]})" if bad_scales else "it has no KV scales"
+        notes.append(f"the checkpoint's own scales are not evaluated: {why}; only the "
+                     "scale-1.0 (E4M3) and E5M2 baselines are")
     model, tokenizer = load_model(ckpt, dtype)
-    samples = held_out(ckpt, tokenizer, dataset, num_samples, max_seq_len, seed)
+    samples = held_out(report, tokenizer, dataset, num_samples, max_seq_len, seed, notes)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_list = list(batches(samples, batch_size, pad))
 

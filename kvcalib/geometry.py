@@ -23,6 +23,10 @@ KV_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", 
              "max_position_embeddings")
 
 
+class MissingField(UsageError):
+    """config.json leaves out a field the KV cache's shape needs (its class may default it)."""
+
+
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer's cache: full attention, a sliding window, or none (Mamba, MLP...)."""
@@ -63,6 +67,11 @@ def layer_number(module_name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# No real model comes near this (Llama-3.1-405B has 126 layers); a config claiming more is
+# corrupt or hostile, and would otherwise make every command build that many layers.
+MAX_LAYERS = 4096
+
+
 def _first(config: dict[str, Any], *names: str) -> Any:
     for name in names:
         if config.get(name) is not None:
@@ -70,12 +79,21 @@ def _first(config: dict[str, Any], *names: str) -> Any:
     return None
 
 
-def _required(config: dict[str, Any], *names: str) -> int:
+def config_int(config: dict[str, Any], *names: str, required: bool = True,
+           least: int = 1) -> int | None:
+    """The first of `names` the config has, as an integer >= least; a clear error otherwise."""
     value = _first(config, *names)
     if value is None:
-        raise UsageError(f"config.json has no {names[0]} (looked for {', '.join(names)}); "
-                         "cannot tell the KV cache's shape")
-    return int(value)
+        if required:
+            raise MissingField(f"config.json has no {names[0]} (looked for {', '.join(names)}); "
+                             "cannot tell the KV cache's shape")
+        return None
+    name = next(n for n in names if config.get(n) is not None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        shown = repr(value) if isinstance(value, (int, float, bool)) else type(value).__name__
+        raise UsageError(f"config.json: {name} is {shown}; it must be an integer of at least "
+                         f"{least}")
+    return value
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -86,21 +104,29 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def geometry(config: dict[str, Any]) -> Geometry:
     cfg = text_config(config)
-    num_layers = _required(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    num_heads = _required(cfg, "num_attention_heads", "n_head", "num_heads")
+    num_layers = config_int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    if num_layers > MAX_LAYERS:
+        raise UsageError(f"config.json declares {num_layers:,} layers; no real model has more "
+                         f"than {MAX_LAYERS:,}: the config is corrupt")
+    num_heads = config_int(cfg, "num_attention_heads", "n_head", "num_heads")
     # Falcon-40B/180B set new_decoder_architecture and count KV heads in num_kv_heads; only
     # older Falcon and StarCoder configs mean one KV head by multi_query (as vLLM reads them).
     if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
         num_kv_heads = 1
     else:
-        num_kv_heads = int(_first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads")
-                           or num_heads)
-    head_dim = _first(cfg, "head_dim", "attention_head_dim")  # Nemotron-H: attention_head_dim
+        num_kv_heads = config_int(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads",
+                              required=False) or num_heads
+    if num_heads % num_kv_heads:
+        raise UsageError(f"config.json: {num_heads} attention heads are not a multiple of "
+                         f"{num_kv_heads} KV heads")
+    head_dim = config_int(cfg, "head_dim", "attention_head_dim", required=False)  # Nemotron-H
     if head_dim is None:
-        head_dim = _required(cfg, "hidden_size", "n_embd", "d_model") // num_heads
+        head_dim = config_int(cfg, "hidden_size", "n_embd", "d_model") // num_heads
+        if head_dim == 0:
+            raise UsageError(f"config.json: hidden size below {num_heads} heads: no head_dim")
     mla = None
     if cfg.get("kv_lora_rank") is not None:
-        mla = int(cfg["kv_lora_rank"]) + _required(cfg, "qk_rope_head_dim")
+        mla = config_int(cfg, "kv_lora_rank") + config_int(cfg, "qk_rope_head_dim", least=0)
     # A nested text_config may say dtype None where the outer config has it.
     dtype = str(_first(cfg, "torch_dtype", "dtype") or _first(config, "torch_dtype", "dtype")
                 or "bfloat16")
@@ -109,41 +135,52 @@ def geometry(config: dict[str, Any]) -> Geometry:
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         layers=tuple(_layers(cfg, num_layers)),
         dtype=dtype,
         mla_latent_dim=mla,
     )
 
 
+def _type_list(cfg: dict[str, Any], key: str) -> list[str]:
+    value = cfg[key]
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise UsageError(f"config.json: {key} must be a list of layer type names")
+    return value
+
+
 def _layers(cfg: dict[str, Any], num_layers: int) -> list[Layer]:
-    window = cfg.get("sliding_window")
+    window = config_int(cfg, "sliding_window", required=False, least=0) or None  # 0: none
     if cfg.get("use_sliding_window") is False:
         window = None
     if cfg.get("layer_types"):
-        types = list(cfg["layer_types"])
+        types = _type_list(cfg, "layer_types")
         return [_from_type(i, t, window, cfg) for i, t in enumerate(types[:num_layers])]
     if cfg.get("layers_block_type"):  # Jamba, Granite hybrid, Nemotron 3: "attention", "mamba"
         return [_from_type(i, t, window, cfg)
-                for i, t in enumerate(cfg["layers_block_type"][:num_layers])]
+                for i, t in enumerate(_type_list(cfg, "layers_block_type")[:num_layers])]
     if cfg.get("hybrid_override_pattern"):  # Nemotron-H: "*" attention, "M" Mamba, "-" MLP
+        pattern = cfg["hybrid_override_pattern"]
+        if not isinstance(pattern, str):
+            raise UsageError("config.json: hybrid_override_pattern must be a string")
         names = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
         return [Layer(i, FULL if c == "*" else NONE, block_type=names.get(c, c))
-                for i, c in enumerate(cfg["hybrid_override_pattern"][:num_layers])]
+                for i, c in enumerate(pattern[:num_layers])]
     if cfg.get("attn_layer_period"):  # older Jamba configs
-        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        period = config_int(cfg, "attn_layer_period")
+        offset = config_int(cfg, "attn_layer_offset", required=False, least=0) or 0
         return [Layer(i, FULL, block_type="attention") if i % period == offset
                 else Layer(i, NONE, block_type="mamba") for i in range(num_layers)]
     if window is None:
         return [Layer(i, FULL) for i in range(num_layers)]
     if cfg.get("max_window_layers") is not None:  # Qwen2: the top layers use the window
-        first = int(cfg["max_window_layers"])
+        first = config_int(cfg, "max_window_layers", least=0)
         return [Layer(i, SLIDING, window) if i >= first else Layer(i, FULL)
                 for i in range(num_layers)]
-    pattern = cfg.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN.get(
-        str(cfg.get("model_type")))
+    pattern = config_int(cfg, "sliding_window_pattern", required=False) or (
+        DEFAULT_SLIDING_PATTERN.get(str(cfg.get("model_type"))))
     if pattern:  # Gemma-2/3, Cohere2 configs without layer_types: every pattern-th is global
-        return [Layer(i, FULL) if (i + 1) % int(pattern) == 0 else Layer(i, SLIDING, window)
+        return [Layer(i, FULL) if (i + 1) % pattern == 0 else Layer(i, SLIDING, window)
                 for i in range(num_layers)]
     return [Layer(i, SLIDING, window) for i in range(num_layers)]  # Mistral-style
 
@@ -152,7 +189,7 @@ def _from_type(index: int, layer_type: str, window: int | None, cfg: dict[str, A
     if layer_type in ("sliding_attention", "local_attention", "sliding_window"):
         return Layer(index, SLIDING if window else FULL, window, layer_type)
     if layer_type == "chunked_attention":  # Llama 4: attention within fixed chunks
-        chunk = cfg.get("attention_chunk_size")
+        chunk = config_int(cfg, "attention_chunk_size", required=False)
         return Layer(index, SLIDING if chunk else FULL, chunk, layer_type)
     if layer_type in ("full_attention", "attention", "global_attention"):
         return Layer(index, FULL, None, layer_type)

@@ -14,7 +14,6 @@ report (kvcalib_report.json) when the checkpoint has one. For each scale it show
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,10 @@ from typing import Any
 import numpy as np
 
 from kvcalib import verification
-from kvcalib.calibration import REPORT_FILE
-from kvcalib.capacity import index_ranges
 from kvcalib.checks import FAIL
 from kvcalib.errors import UsageError
-from kvcalib.report import table
+from kvcalib.report import index_ranges, table
+from kvcalib.schema import REPORT_FILE, CalibrationReport, load_report
 
 DEFAULT_OUTLIER_RATIO = 4.0
 KINDS = ("k", "v", "q")
@@ -78,7 +76,7 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
     kinds = [k for k in KINDS if any(kind == k for _, kind in found.values)]
     median = {k: float(np.median([v.max() for (_, kind), v in found.values.items()
                                   if kind == k])) for k in kinds}
-    report = _read_report(folder)
+    report = load_report(folder)
     seen = _seen_absmax(report)
     layers: dict[int, LayerScales] = {}
     for (index, kind), values in sorted(found.values.items()):
@@ -95,22 +93,11 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
     return result
 
 
-def _read_report(folder: Path) -> dict[str, Any] | None:
-    path = folder / REPORT_FILE
-    if not path.is_file():
-        return None
-    try:
-        report = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path} is not valid JSON: {exc}") from None
-    return report if isinstance(report, dict) and isinstance(report.get("layers"), list) else None
-
-
-def _seen_absmax(report: dict[str, Any] | None) -> dict[tuple[int, str], list[float]]:
+def _seen_absmax(report: CalibrationReport | None) -> dict[tuple[int, str], list[float]]:
     if report is None:
         return {}
-    return {(entry["layer"], kind): entry[f"{kind}_absmax"] for entry in report["layers"]
-            for kind in KINDS if f"{kind}_absmax" in entry}
+    return {(entry.layer, kind): getattr(entry, f"{kind}_absmax") for entry in report.layers
+            for kind in KINDS if getattr(entry, f"{kind}_absmax") is not None}
 
 
 def _per_value(seen: dict[tuple[int, str], list[float]], layer: int, kind: str,
@@ -124,18 +111,19 @@ def _per_value(seen: dict[tuple[int, str], list[float]], layer: int, kind: str,
     return [max(values)] if size == 1 else None
 
 
-def _report_mismatches(report: dict[str, Any], found: verification.StaticScales) -> list[str]:
+def _report_mismatches(report: CalibrationReport, found: verification.StaticScales) -> list[str]:
     """A report from another run (or an edited checkpoint) must not be read as this one's."""
     wrong = []
-    for entry in report["layers"]:
+    for entry in report.layers:
         for kind in KINDS:
-            stored = found.values.get((entry["layer"], kind))
-            if stored is None or f"{kind}_scale" not in entry:
+            stored = found.values.get((entry.layer, kind))
+            reported = getattr(entry, f"{kind}_scale")
+            if stored is None or reported is None:
                 continue
-            rtol = verification.storage_rtol(found.dtypes.get((entry["layer"], kind)))
-            reported = np.asarray(entry[f"{kind}_scale"], dtype=np.float64)
+            rtol = verification.storage_rtol(found.dtypes.get((entry.layer, kind)))
+            reported = np.asarray(reported, dtype=np.float64)
             if reported.shape != stored.shape or not np.allclose(reported, stored, rtol=rtol):
-                wrong.append(f"layer {entry['layer']} {kind}")
+                wrong.append(f"layer {entry.layer} {kind}")
     if not wrong:
         return []
     return [f"{REPORT_FILE} disagrees with the scale tensors at {len(wrong)} scales "
@@ -143,11 +131,11 @@ def _report_mismatches(report: dict[str, Any], found: verification.StaticScales)
             "describe this checkpoint's scales"]
 
 
-def _calibration(report: dict[str, Any] | None) -> dict[str, Any] | None:
+def _calibration(report: CalibrationReport | None) -> dict[str, Any] | None:
     if report is None:
         return None
-    keys = ("kvcalib_version", "created", "model", "scheme", "dataset", "samples", "pipeline")
-    return {key: report[key] for key in keys if key in report}
+    keys = {"kvcalib_version", "created", "model", "scheme", "dataset", "samples", "pipeline"}
+    return report.model_dump(mode="json", include=keys)
 
 
 def _outliers(result: Inspection, dtypes: dict[tuple[int, str], str]) -> list[dict[str, Any]]:

@@ -11,13 +11,12 @@ Names follow vLLM's remapping (model_loader/weight_utils.py, maybe_remap_kv_scal
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcalib.checkpoint import TensorInfo
+from kvcalib.checkpoint import CheckpointError, TensorInfo, read_json
 
 # module path with a layer number and an attention module, then the scale
 _ATTN = r"(?P<module>(?:.*\.)?(?P<layer>\d+)\.[^.]*att[^.]*)"
@@ -54,12 +53,14 @@ class ScaleTensor:
 def kv_scheme(folder: Path, config: dict[str, Any]) -> KvScheme | None:
     """The declared scheme, None when the checkpoint declares no KV quantization."""
     quant = config.get("quantization_config")
-    modelopt_file = Path(folder) / "hf_quant_config.json"
-    if not quant and modelopt_file.exists():
-        quant = {"quant_method": "modelopt", **json.loads(modelopt_file.read_text()).get(
-            "quantization", {})}
+    if not quant and (Path(folder) / "hf_quant_config.json").exists():
+        legacy = read_json(folder, "hf_quant_config.json", what="ModelOpt config")
+        section = legacy.get("quantization") if isinstance(legacy, dict) else None
+        quant = {"quant_method": "modelopt", **_object(section, "hf_quant_config.json: "
+                                                        "quantization")}
     if not quant:
         return None
+    quant = _object(quant, "config.json: quantization_config")
     method = str(quant.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
@@ -79,10 +80,17 @@ def kv_scheme(folder: Path, config: dict[str, Any]) -> KvScheme | None:
     raise UnsupportedFormat(f"quant_method {quant.get('quant_method')!r}")
 
 
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where} must be a JSON object")
+    return value
+
+
 def _compressed_tensors(quant: dict[str, Any]) -> KvScheme | None:
     args = quant.get("kv_cache_scheme")
     if not args:
         return None
+    args = _object(args, "quantization_config.kv_cache_scheme")
     scheme = KvScheme("compressed-tensors", strategy=str(args.get("strategy")), declared=args)
     expected = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False}
     for key, want in expected.items():
@@ -92,10 +100,13 @@ def _compressed_tensors(quant: dict[str, Any]) -> KvScheme | None:
     if scheme.strategy not in ("tensor", "attn_head"):
         scheme.problems.append(f"kv_cache_scheme.strategy is {scheme.strategy!r}; vLLM needs "
                                "'tensor' or 'attn_head'")
-    for group in (quant.get("config_groups") or {}).values():
+    groups = _object(quant.get("config_groups") or {}, "quantization_config.config_groups")
+    for name, group in groups.items():
+        group = _object(group, f"quantization_config.config_groups.{name}")
         targets = group.get("targets") or []
-        if group.get("input_activations") and not group.get("weights") and targets and all(
-                "Attention" in t or "attn" in t for t in targets):
+        if group.get("input_activations") and not group.get("weights") and isinstance(
+                targets, list) and targets and all(
+                isinstance(t, str) and ("Attention" in t or "attn" in t) for t in targets):
             scheme.quantizes_query = True
     return scheme
 

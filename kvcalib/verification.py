@@ -26,6 +26,7 @@ import numpy as np
 from kvcalib import checkpoint, corpus, engine, geometry, layouts
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import KvcalibError, UsageError
+from kvcalib.report import index_ranges
 
 # A scale times 448 is the largest |K|, |V| or |Q| it represents. Real activations stay
 # far inside these bounds; values outside are uninitialized memory or a unit mix-up.
@@ -79,20 +80,44 @@ def static_checks(folder: Path) -> tuple[list[Check], StaticScales]:
     except layouts.UnsupportedFormat as exc:
         return [Check("scheme", FAIL, f"unsupported checkpoint format: {exc}; kvcalib "
                       "cannot tell whether vLLM loads KV scales from it")], found
+    except KvcalibError as exc:
+        return [Check("scheme", FAIL, str(exc))], found
     checks.append(_scheme_check(found.scheme))
     try:
         tensors = checkpoint.tensor_index(folder)
-    except checkpoint.CheckpointError as exc:
+    except KvcalibError as exc:
         checks.append(Check("weights", FAIL, str(exc)))
         return checks, found
     checks.append(Check("weights", PASS, f"{len(tensors)} tensors in "
                         f"{len({t.file for t in tensors.values()})} safetensors files"))
+    layer_check = _layers_check(found.geometry, tensors)
+    checks.append(layer_check)
+    if layer_check.status != PASS:
+        return checks, found
     scales, duplicates = layouts.find_scales(tensors)
     checks += [Check("scales", FAIL, f"{name}: a second scale for the same layer and kind",
                      tensor=name) for name in duplicates]
     if found.scheme is not None:
-        checks += _scale_checks(scales, found)
+        checks += scale_checks(scales, found)
     return checks, found
+
+
+def _layers_check(shape: geometry.Geometry, tensors: dict[str, checkpoint.TensorInfo]) -> Check:
+    """The config's attention layers must exist, and the weights must hold each of them: a
+    gate that checked no layer must not pass, and a config claiming more layers than the
+    files hold is a finding, not a loop over them."""
+    attention = shape.attention_layers
+    if not attention:
+        kinds = ", ".join(sorted({layer.block_type for layer in shape.layers})) or "none"
+        return Check("layers", FAIL, f"config.json declares no attention layers "
+                     f"({shape.num_layers} layers: {kinds}): there is no KV cache to check")
+    held = {geometry.layer_number(name) for name in tensors} - {None}
+    missing = sorted(set(attention) - held)
+    if missing:
+        return Check("layers", FAIL, f"config.json declares {shape.num_layers} layers, but the "
+                     f"weights hold no tensor of attention layers {index_ranges(missing)}",
+                     value=len(missing))
+    return Check("layers", PASS, f"{len(attention)} attention layers of {shape.num_layers}")
 
 
 def _scheme_check(scheme: layouts.KvScheme | None) -> Check:
@@ -116,7 +141,7 @@ def _expected_size(kind: str, scheme: layouts.KvScheme, shape: geometry.Geometry
     return shape.num_heads if kind == "q" else shape.num_kv_heads
 
 
-def _scale_checks(scales: list[layouts.ScaleTensor], found: StaticScales) -> list[Check]:
+def scale_checks(scales: list[layouts.ScaleTensor], found: StaticScales) -> list[Check]:
     scheme, shape = found.scheme, found.geometry
     assert scheme is not None and shape is not None
     by_key: dict[tuple[int, str], layouts.ScaleTensor] = {}
@@ -167,7 +192,7 @@ def _value_check(layer: int, kind: str, info: checkpoint.TensorInfo,
                     list(info.shape))
     try:
         values = checkpoint.read_tensor(info).astype(np.float64).ravel()
-    except checkpoint.CheckpointError as exc:
+    except KvcalibError as exc:
         return fail(str(exc))
     listed = values.tolist()
     if not np.all(np.isfinite(values)):

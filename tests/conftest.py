@@ -80,23 +80,24 @@ def tree_digest(folder: Path) -> str:
 
 
 def linked_copy(src: Path, dst: Path, leave_out: tuple[str, ...] = ()) -> Path:
-    """A folder of links to `src`'s files (as in the HF cache), without `leave_out`."""
+    """A folder of hard links to `src`'s files (cheap; kvcalib refuses symbolic links out
+    of a checkpoint), without `leave_out`. Never write into its files: they are src's."""
     dst.mkdir()
     for item in src.iterdir():
         if item.name not in leave_out:
-            (dst / item.name).symlink_to(item)
+            os.link(item, dst / item.name)
     return dst
 
 
 def copy_checkpoint(src: Path, dst: Path,
                     edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
-    """A copy whose weight file is a link (as in the HF cache); `edit` changes the scales."""
+    """A copy whose weight file is a hard link; `edit` changes the scales."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir()
     for item in src.iterdir():
         if item.name.startswith("model-"):
-            (dst / item.name).symlink_to(item)
+            os.link(item, dst / item.name)
         elif item.name != SCALES:
             shutil.copyfile(item, dst / item.name)
     scales = load_file(src / SCALES)

@@ -26,7 +26,7 @@ def _tensors():
 def test_read_tensor_matches_safetensors(tmp_path):
     path = tmp_path / "t.safetensors"
     save_file(_tensors(), path)
-    infos = checkpoint.file_tensors(path)
+    infos = checkpoint.file_tensors(tmp_path, path.name)
     with safe_open(path, "pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             want = f.get_tensor(name)
@@ -40,7 +40,7 @@ def test_copy_tensors_drops_and_keeps_bytes(tmp_path):
     src, dst = tmp_path / "src.safetensors", tmp_path / "dst.safetensors"
     tensors = _tensors()
     save_file(tensors, src, metadata={"format": "pt"})
-    checkpoint.copy_tensors(src, dst, drop={"f32", "scalar"})
+    checkpoint.copy_tensors(tmp_path, src.name, dst, drop={"f32", "scalar"})
     with safe_open(dst, "pt") as f:
         assert set(f.keys()) == set(tensors) - {"f32", "scalar"}
         assert f.metadata() == {"format": "pt"}

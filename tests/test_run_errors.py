@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (KVCALIB, TOKENIZER_FILES, assert_error, kvcalib_run, linked_copy,
-                      run_kvcalib, tree_digest)
+from conftest import (
+    KVCALIB,
+    TOKENIZER_FILES,
+    assert_error,
+    kvcalib_run,
+    linked_copy,
+    run_kvcalib,
+    tree_digest,
+)
 from kvcalib import calibrate
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import CheckFailed
