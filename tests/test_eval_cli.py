@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_kvcalib
+from conftest import SCALES, linked_copy, run_kvcalib
 
 SMALL = ["--num-samples", 2, "--max-seq-len", 64, "--passkey-lengths", 256,
          "--passkey-depths", 0.5]
@@ -66,6 +66,68 @@ def test_bad_options(smol_attn_head):
     assert result.returncode == 2 and "is not a comma-separated list" in result.stderr
     result = run_kvcalib("eval", smol_attn_head / "nope")
     assert result.returncode == 2 and "checkpoint folder not found" in result.stderr
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: "{not json", "kvcalib_report.json is not valid JSON"),
+    (lambda r: json.dumps({**r, "schema_version": 99}), "has schema version 99"),
+    (lambda r: json.dumps({k: v for k, v in r.items() if k != "dataset"}),
+     "is not a kvcalib calibration report: dataset: Field required"),
+])
+def test_malformed_report_fails_before_loading(edit, message, smol_attn_head, tmp_path):
+    ckpt = linked_copy(smol_attn_head, tmp_path / "ckpt", leave_out=("kvcalib_report.json",))
+    report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
+    (ckpt / "kvcalib_report.json").write_text(edit(report))
+    result = run_kvcalib("eval", ckpt, *SMALL)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("Error:")] == [
+        next(line for line in result.stderr.splitlines() if message in line)]
+    assert "Evaluating" not in result.stderr  # refused before the model loads
+
+
+def test_report_cannot_choose_what_eval_reads(smol_attn_head, tmp_path):
+    """A report naming a local file (or a hub dataset) does not make eval read it."""
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(json.dumps({"text": "do not read " * 200}) + "\n")
+    ckpt = linked_copy(smol_attn_head, tmp_path / "ckpt", leave_out=("kvcalib_report.json",))
+    report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
+    report["dataset"]["source"] = str(secret)
+    (ckpt / "kvcalib_report.json").write_text(json.dumps(report))
+    result = run_kvcalib("eval", ckpt, *SMALL, "--passkey-lengths", "", "--json", "-")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["samples"]["source"] == "builtin"
+    assert any("eval reads it only when named with --dataset" in n for n in shown["notes"])
+    # Named explicitly, it is read.
+    result = run_kvcalib("eval", ckpt, *SMALL, "--passkey-lengths", "", "--dataset", secret,
+                         "--json", "-")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["samples"]["source"] == str(secret)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0], ids=["nan", "zero"])
+def test_compare_scales_are_validated_like_verify(value, smol_attn_head, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    scales = load_file(smol_attn_head / SCALES)
+    scales["model.layers.4.self_attn.k_scale"].view(-1)[1] = value
+    save_file(scales, tmp_path / "bad.safetensors")
+    result = run_kvcalib("eval", smol_attn_head, *SMALL, "--compare", tmp_path / "bad.safetensors")
+    assert result.returncode == 2, result.stderr
+    assert "--compare" in result.stderr and "model.layers.4.self_attn.k_scale" in result.stderr
+    assert "do not pass verify" in result.stderr
+
+
+def test_exhausted_dataset_says_so(smol_attn_head, tmp_path):
+    """Calibration used every row of a small dataset: eval says so and asks for --dataset."""
+    ckpt = linked_copy(smol_attn_head, tmp_path / "ckpt", leave_out=("kvcalib_report.json",))
+    report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
+    report["dataset"]["rows_used"] = list(range(report["dataset"]["num_rows"]))
+    (ckpt / "kvcalib_report.json").write_text(json.dumps(report))
+    result = run_kvcalib("eval", ckpt, *SMALL)
+    assert result.returncode == 2, result.stderr
+    assert "every usable row of dataset builtin was used for calibration" in result.stderr
+    assert "pass --dataset" in result.stderr
 
 
 @pytest.mark.engine
