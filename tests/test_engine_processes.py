@@ -121,7 +121,7 @@ def test_timeout_ends_every_engine_process_even_stopped_ones(demo_model, tmp_pat
 
     seen = _watch(process, probe, stop_new, limit=600)
     out, err = process.communicate(timeout=120)
-    assert process.returncode == 2, out + err
+    assert process.returncode == 1, out + err  # the plain model has no KV scheme
     assert stopped, "the probe started no process before the timeout"
     assert [pid for pid in seen | _group(probe) if _alive(pid)] == []
     report = json.loads((tmp_path / "v.json").read_text())
