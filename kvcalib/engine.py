@@ -78,7 +78,8 @@ class LogFacts:
 
 def parse_log(text: str) -> LogFacts:
     facts = LogFacts()
-    before, facts.answered, after = text.partition(ANSWERED)
+    before, answer_line, after = text.partition(ANSWERED)
+    facts.answered = bool(answer_line)
     lines = before.splitlines()
     for line in lines:
         if match := SCALE_ONE_WARNING.search(line):
@@ -98,7 +99,6 @@ def parse_log(text: str) -> LogFacts:
         if (match := CONCURRENCY.search(line)) and facts.capacity is not None:
             facts.capacity.setdefault("request_tokens", int(match["length"].replace(",", "")))
             facts.capacity.setdefault("max_concurrency", float(match["ratio"]))
-    facts.answered = bool(facts.answered)
     facts.root_cause = next((e for e in exceptions(lines) if not WRAPPER.search(e)), None)
     facts.shutdown_errors = [line.strip() for line in after.splitlines()
                              if ERROR_LINE.search(line)]
@@ -109,7 +109,8 @@ def exceptions(lines: list[str]) -> list[str]:
     """The exception at the end of each traceback in a log, with every line of its message,
     in the order they were printed (the root cause of a chain comes first).
 
-    Processes print into one log, so tracebacks interleave: each is followed by process.
+    Processes print into one log, so tracebacks interleave: each is followed within its
+    own process's lines.
     A traceback's frames are indented; the message starts at the first line that is not,
     and goes on while the lines carry the same vLLM header (one logged record), or, in
     plain stderr output, while they are indented (pydantic's reasons).

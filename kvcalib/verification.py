@@ -329,8 +329,8 @@ def _readback_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
     if scheme is not None and scheme.layout != "compressed-tensors" and not fp8_cache:
         return [Check("readback", ERROR, f"not proven: vLLM loads {scheme.layout} KV scales "
                       f"only into an FP8 cache, so with kv_cache_dtype={run.kv_cache_dtype} "
-                      "there was nothing to read back. Proven: vLLM starts on the checkpoint "
-                      "and its log has no scale-1.0 warning or unloaded scale. Verify with "
+                      "there was nothing to read back. Proven here: vLLM starts on the "
+                      "checkpoint (the log check says what it printed). Verify with "
                       "--kv-cache-dtype fp8 on hardware that supports it.")]
     loaded = {geometry.layer_number(name): entry
               for name, entry in (run.result.get("scales") or {}).items()}

@@ -152,7 +152,7 @@ def test_read_back_that_cannot_run_is_never_a_pass(demo_model, smol_attn_head, t
     assert readback["status"] == "error"
     assert readback["message"].startswith("not proven: vLLM loads fp8 KV scales only into an "
                                           "FP8 cache, so with kv_cache_dtype=bfloat16")
-    assert "Proven: vLLM starts on the checkpoint" in readback["message"]
+    assert "Proven here: vLLM starts on the checkpoint" in readback["message"]
     # What vLLM really holds: 1.0 in every layer, not the checkpoint's scales.
     loaded = report["engine"]["runs"]["bfloat16"]["scales"]
     assert {v for entry in loaded.values() for v in entry["k"] + entry["v"]} == {1.0}
