@@ -385,13 +385,18 @@ def demo(
     num_samples: Annotated[int, typer.Option(help="Calibration samples.")] = 32,
     max_seq_len: Annotated[int, typer.Option(help="Tokens per sample.")] = 512,
 ) -> None:
-    """The whole job offline on the demo model: run, verify, eval, estimate, inspect."""
+    """The whole job offline on the demo model: run, verify, eval, estimate, inspect.
+    Exit code: 0 when every step passed, else the failed steps' (1 before 2), named."""
     from kvcalib.demo import run_demo
 
     result = run_demo(output, num_samples, max_seq_len, log=_info, show=typer.echo)
     typer.echo("")
     for name, path in result["paths"].items():
         typer.echo(f"{name + ':':<20} {path}")
+    if result["failed"]:
+        steps = ", ".join(f"{step} (exit code {code})" for step, code in result["failed"].items())
+        typer.echo(f"Demo FAILED: {steps}", err=True)
+        raise typer.Exit(min(result["failed"].values()))
 
 
 def _interrupt(signum: int, frame: object) -> NoReturn:

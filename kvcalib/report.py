@@ -90,7 +90,9 @@ def checks_table(checks) -> str:
             rows.append([group, worst, f"{len(shown)} checks {verb}, e.g. {shown[0].message}"])
             continue
         for check in shown[:_SHOWN_PER_GROUP]:
-            rows.append([group, check.status, check.message])
+            first, *more = check.message.splitlines() or [""]
+            rows.append([group, check.status, first])
+            rows += [["", "", f"  {line}"] for line in more]  # e.g. an error's reasons
         if len(shown) > _SHOWN_PER_GROUP:
             rows.append([group, worst, f"... and {len(shown) - _SHOWN_PER_GROUP} more"])
     return table(["check", "status", "detail"], rows)

@@ -242,6 +242,8 @@ def verify(
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> VerifyResult:
     """Static checks, then (unless static_only) the engine check in the serving env."""
+    if not 0 < timeout < math.inf:
+        raise UsageError(f"--timeout must be a positive number of seconds, not {timeout:g}")
     folder = Path(folder)
     checks, found = static_checks(folder)
     result = VerifyResult(str(folder.resolve()), checks,
@@ -284,46 +286,65 @@ def compare_prompts() -> list[str]:
 def _run_summary(run: engine.ProbeRun) -> dict[str, Any]:
     facts = run.facts
     return {"kv_cache_dtype": run.kv_cache_dtype, "started": run.started,
-            "error": run.result.get("error"), "vllm_version": run.result.get("vllm_version"),
+            "error": run.result.get("error"), "root_cause": facts.root_cause,
+            "timed_out": run.timed_out, "vllm_version": run.result.get("vllm_version"),
             "platform": run.result.get("platform"), "seconds": run.seconds,
             "log": str(run.log_path), "capacity": facts.capacity,
             "scale_one_warnings": facts.scale_one_warnings, "not_loaded": facts.not_loaded,
-            "error_lines": facts.errors[:20], "scales": run.result.get("scales")}
+            "error_lines": facts.errors[:20], "shutdown_error_lines": facts.shutdown_errors[:20],
+            "scales": run.result.get("scales")}
 
 
 def _engine_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
-    facts, error = run.facts, run.result.get("error") or ""
-    checks = []
-    if run.started:
-        checks.append(Check("engine", PASS, f"vLLM {run.result.get('vllm_version')} started in "
-                            f"{run.result.get('start_seconds')}s with "
-                            f"kv_cache_dtype={run.kv_cache_dtype}"))
-    elif facts.hardware:
-        checks.append(Check("engine", ERROR, f"vLLM on this machine cannot run an FP8 KV cache "
-                            f"({facts.hardware}). Verify on the serving hardware, or pass "
-                            "--kv-cache-dtype bfloat16 to check here that the scales load "
-                            "(FP8 storage is then not exercised).", value=facts.hardware))
-    elif error.startswith("cannot import vllm"):
-        checks.append(Check("engine", ERROR, error))
-    else:
-        first = facts.errors[-1] if facts.errors else ""
-        message = f"vLLM failed to start: {error.splitlines()[0] if error else first}"
-        checks.append(Check("engine", FAIL, message, value=error))
+    """The start, the log before the probe's answer, capacity and the read-back; what vLLM
+    printed while shutting down after the answer is a note."""
+    facts = run.facts
+    start = _start_check(run)
+    checks = [start]
     for line in facts.scale_one_warnings:
         checks.append(Check("log", FAIL, f"vLLM logged: {line}", value=line))
     for line in facts.not_loaded:
         checks.append(Check("log", FAIL, f"vLLM did not load a scale: {line}", value=line))
-    if run.started and facts.errors:
-        checks.append(Check("log", FAIL, f"{len(facts.errors)} error lines in the log, first: "
-                            f"{facts.errors[0]}", value=facts.errors[:20]))
+    if facts.errors:
+        # Beside a failed start the error lines are that failure: same status, no repeat.
+        status = FAIL if start.status == PASS else start.status
+        checks.append(Check("log", status, f"{len(facts.errors)} error lines in the log before "
+                            f"the answer, first: {facts.errors[0]}", value=facts.errors[:20]))
     if not any(c.group == "log" for c in checks):
         checks.append(Check("log", PASS, "no scale-1.0 warning, no unloaded scale, no errors"))
     if facts.capacity:
         checks.append(Check("capacity", PASS, f"{facts.capacity['pool']} KV cache: "
                             f"{facts.capacity['tokens']:,} tokens", value=facts.capacity))
-    if run.started:
+    if start.status == PASS:
         checks += _readback_checks(run, found)
+    if facts.shutdown_errors:
+        checks.append(Check("note", WARN, f"after answering, vLLM's shutdown printed "
+                            f"{len(facts.shutdown_errors)} error lines (kept in {run.log_path}; "
+                            f"they say nothing about the checkpoint), first: "
+                            f"{facts.shutdown_errors[0]}", value=facts.shutdown_errors[:20]))
     return checks
+
+
+def _start_check(run: engine.ProbeRun) -> Check:
+    """Whether vLLM started and answered, and if not, why: the root cause in full."""
+    facts, error = run.facts, run.result.get("error") or ""
+    if run.started and not error:
+        return Check("engine", PASS, f"vLLM {run.result.get('vllm_version')} started in "
+                     f"{run.result.get('start_seconds')}s with "
+                     f"kv_cache_dtype={run.kv_cache_dtype}")
+    if facts.hardware and not run.started:
+        hint = (" Verify on the serving hardware, or pass --kv-cache-dtype bfloat16 to check "
+                "here that the scales load (FP8 storage is then not exercised)."
+                if engine.HARDWARE.search(facts.hardware) else
+                " Verify on the serving hardware.")
+        said = f"\nvLLM: {facts.root_cause}" if facts.root_cause else ""
+        return Check("engine", ERROR, f"cannot check on this machine: {facts.hardware}.{hint}"
+                     f"{said}", value={"reason": facts.hardware, "root_cause": facts.root_cause})
+    if error.startswith("cannot import vllm") or run.timed_out:
+        return Check("engine", ERROR, f"cannot check: {error}", value=error)
+    cause = facts.root_cause or error
+    what = "vLLM started, but the probe failed" if run.started else "vLLM failed to start"
+    return Check("engine", FAIL, f"{what}: {cause}", value={"error": error, "root_cause": cause})
 
 
 def _readback_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
@@ -331,8 +352,11 @@ def _readback_checks(run: engine.ProbeRun, found: StaticScales) -> list[Check]:
     scheme, shape = found.scheme, found.geometry
     fp8_cache = run.kv_cache_dtype.startswith("fp8")
     if scheme is not None and scheme.layout != "compressed-tensors" and not fp8_cache:
-        return [Check("readback", SKIP, f"vLLM loads {scheme.layout} KV scales only with an "
-                      "FP8 cache; nothing to read back")]
+        return [Check("readback", ERROR, f"not proven: vLLM loads {scheme.layout} KV scales "
+                      f"only into an FP8 cache, so with kv_cache_dtype={run.kv_cache_dtype} "
+                      "there was nothing to read back. Proven here: vLLM starts on the "
+                      "checkpoint (the log check says what it printed). Verify with "
+                      "--kv-cache-dtype fp8 on hardware that supports it.")]
     loaded = {geometry.layer_number(name): entry
               for name, entry in (run.result.get("scales") or {}).items()}
     kinds = _expected_kinds(scheme) if scheme else ("k", "v")

