@@ -312,7 +312,8 @@ def atomic_output_dir(target: Path) -> Iterator[Path]:
         os.umask(umask)
         for path in tmp.rglob("*"):
             if path.is_file():
-                path.chmod(0o666 & ~umask)  # some writers create 0600 files
+                if path.stat().st_nlink == 1:  # a hard link's mode is the input file's
+                    path.chmod(0o666 & ~umask)  # some writers create 0600 files
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
         tmp.chmod(0o777 & ~umask)
