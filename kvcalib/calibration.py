@@ -105,8 +105,10 @@ def calibrate(
     with distributed.joined() as ranks:
         if not ranks.writer:
             log = _silent  # rank 0 speaks for the job
-        model_dir, target, config, placement = preflight(model, output, overwrite, weights,
-                                                         writer=ranks.writer)
+        checked = preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
+                            max_seq_len=max_seq_len, num_samples=num_samples, ranks=ranks)
+        model_dir, config, compute, plan = (checked.model_dir, checked.config, checked.compute,
+                                            checked.memory)
         log(f"Loading {model_dir}" + (f" on {ranks.world_size} ranks ({ranks.backend})"
                                       if ranks.world_size > 1 else ""))
         from transformers import AutoTokenizer
@@ -121,31 +123,19 @@ def calibrate(
             log(f"Warning: llm-compressor averages {observer} statistics over the ranks, so "
                 f"the scales depend on the number of ranks ({ranks.world_size}); "
                 "static_minmax takes their maximum and does not")
-        compute = _compute_settings(model_dir, dtype)
-        device = _device(compute)
-        need = memory.estimate(model_dir, config, compute["dtype"], max_seq_len,
-                               len(shares[ranks.rank]))
-        free = memory.available(device, ranks.local_world_size)
-        chosen_pipeline, reason = memory.choose_pipeline(pipeline, need, free, device)
-        if (chosen_pipeline == "sequential" and device != "cpu"
-                and ranks.world_size > ranks.local_world_size):
-            raise UsageError("the sequential pipeline cannot run on several nodes: "
-                             "llm-compressor 0.14.0.1 onloads layers to cuda:<global rank> "
-                             "(utils/dev.py get_main_device), a GPU the other nodes lack; "
-                             "use --pipeline basic (the model must fit one GPU) or one node")
         torch_model = _load_model(model_dir, compute["dtype"],
-                                  device if chosen_pipeline == "basic" else "cpu")
+                                  plan.device if plan.pipeline == "basic" else "cpu")
         attention = _attention_modules(torch_model, config)
         load_s = time.perf_counter() - started
 
         log(f"Calibrating {len(attention)} attention layers on {len(samples.token_ids)} "
             f"samples ({samples.num_tokens} tokens), strategy {strategy}, observer {observer}, "
-            f"pipeline {chosen_pipeline} ({reason}), {compute['dtype']} on {compute['device']}")
+            f"pipeline {plan.pipeline} ({plan.reason}), {compute['dtype']} on {compute['device']}")
         attention_classes = _attention_classes(attention) if q_scale else None
         modifier = build_modifier(strategy, observer, attention_classes)
         t0 = time.perf_counter()
         mine = [samples.token_ids[i] for i in shares[ranks.rank]]
-        recorder = _run_oneshot(torch_model, tokenizer, modifier, mine, chosen_pipeline,
+        recorder = _run_oneshot(torch_model, tokenizer, modifier, mine, plan.pipeline,
                                 attention, q_scale)
         per_sample = _gather(recorder.per_sample(len(mine)), ranks)
         calibrate_s = time.perf_counter() - t0
@@ -170,15 +160,17 @@ def calibrate(
             "samples": {"requested": num_samples, "used": len(samples.token_ids),
                         "max_seq_len": max_seq_len, "num_tokens": samples.num_tokens,
                         "seed": seed},
-            "pipeline": {"requested": pipeline, "used": chosen_pipeline, "reason": reason},
+            "pipeline": {"requested": pipeline, "used": plan.pipeline, "reason": plan.reason},
             "compute": compute,
             "distributed": {"world_size": ranks.world_size, "backend": ranks.backend,
                             "ranks": [{"rank": r, "samples": [share.start + 1, share.stop],
                                        "rows": samples.rows[share.start:share.stop]}
                                       for r, share in enumerate(shares)]},
-            "memory": {"weights": need.weights, "activations": need.activations,
-                       "free": free.device, "capped": free.capped},
-            "weights": {"requested": weights, "used": placement[0], "reason": placement[1]},
+            "memory": {"weights": plan.need.weights, "activations": plan.need.activations,
+                       "needed": plan.needed, "free": plan.free.device,
+                       "capped": plan.free.capped},
+            "weights": {"requested": weights, "used": checked.placement[0],
+                        "reason": checked.placement[1]},
             "convergence": {"late_growth_threshold": convergence.LATE_GROWTH,
                             "flagged": flagged, "note": convergence.FLAG_NOTE},
             "versions": _versions(),
@@ -187,15 +179,15 @@ def calibrate(
         }
         if ranks.writer:
             t0 = time.perf_counter()
-            log(f"Writing {target}")
-            with checkpoint.atomic_output_dir(target) as tmp:
+            log(f"Writing {checked.target}")
+            with checkpoint.atomic_output_dir(checked.target) as tmp:
                 write_checkpoint(tmp, model_dir, scales, quant_config, _recipe_yaml(modifier),
-                                 weights=placement[0])
+                                 weights=checked.placement[0])
                 report["timings_s"]["save"] = round(time.perf_counter() - t0, 3)
                 report["timings_s"]["total"] = round(time.perf_counter() - started, 3)
                 (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         distributed.barrier(ranks, "rank 0 wrote the checkpoint")
-    return CalibrationResult(target, report, ranks.rank)
+    return CalibrationResult(checked.target, report, ranks.rank)
 
 
 def _silent(_message: str) -> None:
@@ -218,21 +210,46 @@ def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
         raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
 
 
-def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: str,
-              writer: bool = True) -> tuple[Path, Path, dict[str, Any], tuple[str, str]]:
-    """The model folder, the output target, the config and how weights will be placed
-    (mode, why), all checked before anything is loaded. Only the writer (rank 0)
-    checks the output: on other nodes its folder need not exist."""
+@dataclass
+class Preflight:
+    """What is known before anything is loaded (see `preflight`)."""
+
+    model_dir: Path
+    target: Path
+    config: dict[str, Any]
+    placement: tuple[str, str]  # weights mode, and why
+    compute: dict[str, str]
+    memory: memory.Plan
+
+
+def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: str, *,
+              dtype: str, pipeline: str, max_seq_len: int, num_samples: int,
+              ranks: distributed.Ranks) -> Preflight:
+    """Check the model folder, the output target, how weights will be placed and whether
+    the model fits, all before anything is loaded. Only the writer (rank 0) checks the
+    output: on other nodes its folder need not exist."""
     model_dir = checkpoint.resolve_model(str(model))
     target = Path(output)
-    if writer:
+    if ranks.writer:
         target = checkpoint.check_output_target(target, model_dir, overwrite)
     config = _check_causal_lm(model_dir)
     placement = (weights, "rank 0 writes")
-    if writer:
+    if ranks.writer:
         placement = weight_files.choose(weights, checkpoint.weight_files(model_dir),
                                         target.parent)
-    return model_dir, target, config, placement
+    compute = _compute_settings(model_dir, dtype)
+    device = _device(compute)
+    per_rank = -(-num_samples // ranks.world_size)  # at most this many samples per rank
+    plan = memory.plan(pipeline, memory.estimate(model_dir, config, compute["dtype"],
+                                                 max_seq_len, per_rank),
+                       memory.available(device, ranks.local_world_size), device)
+    if (plan.pipeline == "sequential" and device != "cpu"
+            and ranks.world_size > ranks.local_world_size):
+        raise UsageError("the sequential pipeline cannot run on several nodes: "
+                         "llm-compressor 0.14.0.1 onloads layers to cuda:<global rank> "
+                         "(utils/dev.py get_main_device), a GPU the other nodes lack; "
+                         "use --pipeline basic (the model must fit one GPU) or one node")
+    return Preflight(model_dir, target, config, placement, compute, plan)
 
 
 def _check_causal_lm(model_dir: Path) -> dict[str, Any]:

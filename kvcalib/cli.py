@@ -119,7 +119,10 @@ def run(
         # Refuse bad input once here, not once per rank.
         check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
         distributed.shares(num_samples, nproc_per_node)
-        preflight(model, output, overwrite, weights)
+        preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
+                  max_seq_len=max_seq_len, num_samples=num_samples,
+                  ranks=distributed.Ranks(world_size=nproc_per_node,
+                                          local_world_size=nproc_per_node))
         raise typer.Exit(distributed.launch(nproc_per_node,
                                             _without_option(sys.argv[1:], "--nproc-per-node")))
     if split is None and dataset == DEFAULT_DATASET:

@@ -6,7 +6,9 @@ Estimated from the safetensors headers and config.json alone:
   the compute dtype and their float32 softmax, plus the causal mask; the MLP and norms
   a few float32 copies of the hidden and intermediate states;
 - the sequential pipeline's cache: each sample's hidden states and mask between layers,
-  kept in host memory.
+  kept in host memory;
+
+- the runtime: libraries loaded later and allocator slack, a fixed 512 MiB.
 
 `basic` needs the weights and one sample's activations on the device. `sequential`
 onloads one layer at a time: the device holds the largest layer and the activations,
@@ -35,6 +37,9 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _STORED_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # floating tensors are cast when loaded
 
 
+RUNTIME = 512 * 2**20  # libraries still to load and allocator slack, beyond the estimate
+
+
 @dataclass(frozen=True)
 class Need:
     """Bytes one rank needs, from the headers and config (see the module docstring)."""
@@ -45,7 +50,7 @@ class Need:
     cache: int
 
     def basic(self) -> int:
-        return self.weights + self.activations
+        return self.weights + self.activations + RUNTIME
 
 
 def estimate(model_dir: Path, config: dict[str, Any], compute_dtype: str, max_seq_len: int,
@@ -82,19 +87,19 @@ class Free:
 
 
 def available(device: str, local_ranks: int) -> Free:
-    """What is free for this rank now, or the KVCALIB_DEVICE_MEMORY cap if lower."""
-    host = _host_available() // local_ranks
+    """What is free for this rank now. KVCALIB_DEVICE_MEMORY, when lower, stands for what
+    the device has; host memory is shared by the ranks of the node."""
+    cap = parse_budget(os.environ[DEVICE_MEMORY_ENV]) if os.environ.get(DEVICE_MEMORY_ENV) else None
+    host = _host_available()
     if device == "cpu":
-        free = host
-    else:
-        import torch
+        capped = cap is not None and cap < host
+        share = (cap if capped else host) // local_ranks
+        return Free(share, share, capped)
+    import torch
 
-        free = torch.cuda.mem_get_info(torch.device(device))[0]
-    cap = os.environ.get(DEVICE_MEMORY_ENV)
-    limit = parse_budget(cap) if cap else None
-    if limit is not None and limit < free:
-        return Free(limit, limit if device == "cpu" else host, capped=True)
-    return Free(free, host)
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    capped = cap is not None and cap < free
+    return Free(cap if capped else free, host // local_ranks, capped)
 
 
 def _host_available() -> int:
@@ -105,28 +110,43 @@ def _host_available() -> int:
     raise UsageError("cannot read MemAvailable from /proc/meminfo")
 
 
-def choose_pipeline(requested: str, need: Need, free: Free, device: str) -> tuple[str, str]:
-    """The pipeline to run and why; a clear error, naming bytes, when it cannot fit."""
+@dataclass(frozen=True)
+class Plan:
+    """The pipeline to run on `device`, why, and the bytes behind the choice."""
+
+    pipeline: str
+    reason: str
+    device: str
+    need: Need
+    free: Free
+    needed: int  # on the device, for the chosen pipeline
+
+
+def plan(requested: str, need: Need, free: Free, device: str) -> Plan:
+    """Choose the pipeline (`auto`: basic when it fits the device, else sequential), or
+    refuse with the bytes needed and available when the model cannot fit."""
     device_name = "host memory" if device == "cpu" else f"{device} memory"
     # (bytes needed, bytes free, where) for each pipeline
-    on_device = (need.basic(), free.device, device_name)
     if device == "cpu":  # the weights stay in host memory in either pipeline
         sequential = [(need.basic() + need.cache, free.device, device_name)]
     else:
-        sequential = [(need.largest_layer + need.activations, free.device, device_name),
-                      (need.weights + need.cache, free.host, "host memory")]
-    requirements = {"basic": [on_device], "sequential": sequential}
+        sequential = [(need.largest_layer + need.activations + RUNTIME, free.device, device_name),
+                      (need.weights + need.cache + RUNTIME, free.host, "host memory")]
+    requirements = {"basic": [(need.basic(), free.device, device_name)],
+                    "sequential": sequential}
     candidates = ["basic", "sequential"] if requested == "auto" else [requested]
     for pipeline in candidates:
-        short = [r for r in requirements[pipeline] if r[0] > FIT * r[1]]
-        if not short:
+        if all(wanted <= FIT * have for wanted, have, _ in requirements[pipeline]):
+            needed = requirements[pipeline][0][0]
             if requested != "auto":
-                return pipeline, "requested"
-            if pipeline == "basic":
-                return "basic", f"fits: needs ~{size(need.basic())} of {_free(free, device_name)}"
-            return "sequential", (f"the model needs ~{size(need.basic())} but {device_name} "
-                                  f"has {_free(free, device_name)}: onloading one layer at a "
-                                  f"time (~{size(sequential[0][0])} there)")
+                reason = "requested"
+            elif pipeline == "basic":
+                reason = f"fits: needs ~{size(needed)} of {_free(free, device_name)}"
+            else:
+                reason = (f"the model needs ~{size(need.basic())} but {device_name} has "
+                          f"{_free(free, device_name)}: onloading one layer at a time "
+                          f"(~{size(needed)} there)")
+            return Plan(pipeline, reason, device, need, free, needed)
     problems = []
     for pipeline in candidates:
         wanted, have, where = next(r for r in requirements[pipeline] if r[0] > FIT * r[1])
@@ -135,8 +155,9 @@ def choose_pipeline(requested: str, need: Need, free: Free, device: str) -> tupl
     cap = f" (capped by {DEVICE_MEMORY_ENV})" if free.capped else ""
     raise UsageError(
         f"the model does not fit: {'; '.join(problems)}{cap}. The need counts weights of "
-        f"{size(need.weights)} and ~{size(need.activations)} of activations for one "
-        f"sample; kvcalib uses at most {FIT:.0%} of what is free. Nothing was loaded")
+        f"{size(need.weights)}, ~{size(need.activations)} of activations for one sample and "
+        f"{size(RUNTIME)} for the runtime; kvcalib uses at most {FIT:.0%} of what is free. "
+        "Nothing was loaded")
 
 
 def _free(free: Free, where: str) -> str:
