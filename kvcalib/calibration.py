@@ -162,10 +162,7 @@ def calibrate(
                         "seed": seed},
             "pipeline": {"requested": pipeline, "used": plan.pipeline, "reason": plan.reason},
             "compute": compute,
-            "distributed": {"world_size": ranks.world_size, "backend": ranks.backend,
-                            "ranks": [{"rank": r, "samples": [share.start + 1, share.stop],
-                                       "rows": samples.rows[share.start:share.stop]}
-                                      for r, share in enumerate(shares)]},
+            "distributed": distributed.summary(ranks, shares, samples.rows),
             "memory": {"weights": plan.need.weights, "activations": plan.need.activations,
                        "needed": plan.needed, "free": plan.free.device,
                        "capped": plan.free.capped},
@@ -205,6 +202,23 @@ def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weigh
     data.check_sample_args(num_samples, max_seq_len)
 
 
+def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: int, *,
+                 strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
+                 num_samples: int, max_seq_len: int) -> None:
+    """What `run --nproc-per-node` refuses once, before starting the ranks (each checks
+    again). On GPUs the memory is left to each rank: asking a GPU here would create a CUDA
+    context that holds memory for the whole job."""
+    import torch
+
+    distributed.check_nproc(nproc)
+    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
+    distributed.shares(num_samples, nproc)
+    preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
+              max_seq_len=max_seq_len, num_samples=num_samples,
+              ranks=distributed.Ranks(world_size=nproc, local_world_size=nproc),
+              plan_memory=not torch.cuda.is_available())
+
+
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
@@ -219,12 +233,12 @@ class Preflight:
     config: dict[str, Any]
     placement: tuple[str, str]  # weights mode, and why
     compute: dict[str, str]
-    memory: memory.Plan
+    memory: memory.Plan | None
 
 
 def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: str, *,
               dtype: str, pipeline: str, max_seq_len: int, num_samples: int,
-              ranks: distributed.Ranks) -> Preflight:
+              ranks: distributed.Ranks, plan_memory: bool = True) -> Preflight:
     """Check the model folder, the output target, how weights will be placed and whether
     the model fits, all before anything is loaded. Only the writer (rank 0) checks the
     output: on other nodes its folder need not exist."""
@@ -238,6 +252,8 @@ def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: s
         placement = weight_files.choose(weights, checkpoint.weight_files(model_dir),
                                         target.parent)
     compute = _compute_settings(model_dir, dtype)
+    if not plan_memory:
+        return Preflight(model_dir, target, config, placement, compute, None)
     device = _device(compute)
     per_rank = -(-num_samples // ranks.world_size)  # at most this many samples per rank
     plan = memory.plan(pipeline, memory.estimate(model_dir, config, compute["dtype"],

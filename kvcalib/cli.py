@@ -107,22 +107,16 @@ def run(
              "(did the scales converge?).")] = None,
 ) -> None:
     """Calibrate FP8 KV-cache scales into a checkpoint vLLM loads with kv_cache_dtype=fp8."""
-    from kvcalib.calibration import REPORT_FILE, calibrate, check_options, preflight
+    from kvcalib.calibration import REPORT_FILE, calibrate, check_launch
     from kvcalib.data import DEFAULT_DATASET, DEFAULT_SPLIT, DatasetSpec
     from kvcalib.report import calibration_summary
 
-    if nproc_per_node is not None:
+    if nproc_per_node is not None and nproc_per_node != 1:
         from kvcalib import distributed
 
-        distributed.check_nproc(nproc_per_node)
-    if nproc_per_node is not None and nproc_per_node > 1:
-        # Refuse bad input once here, not once per rank.
-        check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
-        distributed.shares(num_samples, nproc_per_node)
-        preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
-                  max_seq_len=max_seq_len, num_samples=num_samples,
-                  ranks=distributed.Ranks(world_size=nproc_per_node,
-                                          local_world_size=nproc_per_node))
+        check_launch(model, output, overwrite, nproc_per_node, strategy=strategy,
+                     observer=observer, pipeline=pipeline, dtype=dtype, weights=weights,
+                     num_samples=num_samples, max_seq_len=max_seq_len)
         raise typer.Exit(distributed.launch(nproc_per_node,
                                             _without_option(sys.argv[1:], "--nproc-per-node")))
     if split is None and dataset == DEFAULT_DATASET:

@@ -88,6 +88,15 @@ def shares(count: int, world_size: int) -> list[range]:
             for r in range(world_size)]
 
 
+def summary(ranks: Ranks, shares: list[range], rows: list[int]) -> dict[str, Any]:
+    """For the report: the job's size and backend, and each rank's samples (1-based,
+    first and last) and their dataset rows."""
+    return {"world_size": ranks.world_size, "backend": ranks.backend,
+            "ranks": [{"rank": rank, "samples": [share.start + 1, share.stop],
+                       "rows": rows[share.start:share.stop]}
+                      for rank, share in enumerate(shares)]}
+
+
 @contextlib.contextmanager
 def collective(what: str) -> Iterator[None]:
     """Turn a broken collective (a rank died or failed) into one clear error."""
