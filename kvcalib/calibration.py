@@ -137,7 +137,7 @@ def calibrate(
         mine = [samples.token_ids[i] for i in shares[ranks.rank]]
         recorder = _run_oneshot(torch_model, tokenizer, modifier, mine, plan.pipeline,
                                 attention, q_scale)
-        per_sample = _gather(recorder.per_sample(len(mine)), ranks)
+        per_sample = _gather(recorder.per_sample(), ranks)
         calibrate_s = time.perf_counter() - t0
 
         kinds = ("k", "v", "q") if q_scale else ("k", "v")
@@ -395,27 +395,39 @@ def _recipe_yaml(modifier) -> str:
 
 class _AbsmaxRecorder:
     """Each sample's per-head absmax of the post-RoPE states llm-compressor's observers see
-    (batch size 1: one hook call per sample, layer and kind)."""
+    (batch size 1: one hook call per sample, layer and kind).
 
-    def __init__(self) -> None:
-        self.samples: dict[tuple[str, str], list[Any]] = {}
+    Values go into one array per layer and kind, made at the first sample: thousands of
+    small tensors kept alive between the forward passes' large ones would fragment the
+    heap and grow the process by megabytes per sample.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.values: dict[tuple[str, str], np.ndarray] = {}
+        self.seen: dict[tuple[str, str], int] = {}
 
     def hook(self, name: str, kind: str) -> Callable:
+        key = (name, kind)
+
         def record(_module, states):  # states: (1, heads, seq, head_dim)
-            amax = states.detach().abs().amax(dim=(0, 2, 3)).float().cpu()
-            self.samples.setdefault((name, kind), []).append(amax)
+            amax = states.detach().abs().amax(dim=(0, 2, 3)).float().cpu().numpy()
+            if key not in self.values:
+                self.values[key] = np.zeros((self.count, amax.size), dtype=np.float32)
+            sample = self.seen.get(key, 0)
+            if sample < self.count:
+                self.values[key][sample] = amax
+            self.seen[key] = sample + 1
 
         return record
 
-    def per_sample(self, count: int) -> dict[tuple[str, str], np.ndarray]:
+    def per_sample(self) -> dict[tuple[str, str], np.ndarray]:
         """(samples, heads) per (module, kind), in the order the samples were fed."""
-        import torch
-
-        for (name, kind), values in self.samples.items():
-            if len(values) != count:
-                raise CheckFailed(f"{name}: kvcalib's {kind} hook saw {len(values)} samples, "
-                                  f"expected {count}; nothing was saved")
-        return {key: torch.stack(values).numpy() for key, values in self.samples.items()}
+        for (name, kind), seen in self.seen.items():
+            if seen != self.count:
+                raise CheckFailed(f"{name}: kvcalib's {kind} hook saw {seen} samples, "
+                                  f"expected {self.count}; nothing was saved")
+        return self.values
 
 
 class _StopForward(Exception):
@@ -454,7 +466,7 @@ def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipelin
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
 
-    recorder = _AbsmaxRecorder()
+    recorder = _AbsmaxRecorder(len(token_ids))
     # Registered like llm-compressor's own hooks, so that the sequential pipeline's second
     # pass over each layer (which only propagates outputs) does not record again.
     hooks = HooksMixin()
