@@ -13,8 +13,9 @@ module chooses what it gets wrong by default and writes the output itself:
 - our own hooks record each sample's absmax of every K/V/Q tensor in float32, so each
   scale is checked against what was really seen before anything is written, and the
   report says when each scale stopped growing (kvcalib.convergence);
-- work: no logits are needed, so the basic pipeline stops each forward pass after the
-  last attention layer (the last MLP, the final norm and lm_head never run);
+- work: no logits are needed, so the basic pipeline stops each forward pass once the
+  last attention layer's K and V (and Q) are seen: the rest of that layer, the final
+  norm and lm_head never run;
 - scale: under torchrun every rank calibrates its share of the samples
   (kvcalib.distributed), and the pipeline is chosen, or the model refused, from the
   bytes it needs before it is loaded (kvcalib.memory).
@@ -435,9 +436,9 @@ class _StopForward(Exception):
 
 
 @contextlib.contextmanager
-def _stop_after(model, last_attention) -> Iterator[None]:
-    """Make every forward pass of `model` end after `last_attention`: the last MLP, the
-    final norm and lm_head never run (the basic pipeline ignores the outputs)."""
+def _stop_after(model, last: Any) -> Iterator[None]:
+    """Make every forward pass of `model` end once module `last` has run: the last MLP,
+    the final norm and lm_head never run (the basic pipeline ignores the outputs)."""
     def stop(_module, _args, _output):
         raise _StopForward
 
@@ -448,7 +449,7 @@ def _stop_after(model, last_attention) -> Iterator[None]:
         with contextlib.suppress(_StopForward):
             return forward(*args, **kwargs)
 
-    handle = last_attention.register_forward_hook(stop)
+    handle = last.register_forward_hook(stop)
     model.forward = until_last_attention
     try:
         yield
@@ -460,7 +461,11 @@ def _stop_after(model, last_attention) -> Iterator[None]:
 def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipeline: str,
                  attention: dict[str, Any], q_scale: bool) -> _AbsmaxRecorder:
     """Calibrate on `token_ids`, one sample per batch, in the order given."""
-    from compressed_tensors.modeling import initialize_hooked_attention, initialize_hooked_kv_cache
+    from compressed_tensors.modeling import (
+        KV_CACHE_ATTR,
+        initialize_hooked_attention,
+        initialize_hooked_kv_cache,
+    )
     from llmcompressor import oneshot
     from llmcompressor.modifiers.utils.hooks import HooksMixin
     from torch.utils.data import DataLoader
@@ -483,12 +488,15 @@ def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipelin
     batches = DataLoader([{"input_ids": ids, "attention_mask": [1] * len(ids)}
                           for ids in token_ids], batch_size=1, collate_fn=default_data_collator)
     last = max(attention.items(), key=lambda item: layer_index(item[0]))[1]
+    # Without q, the last layer's keys and values are all that is needed of it: stop once
+    # its cache has seen them, before its attention and output projection.
+    stop_at = last if q_scale else getattr(last, KV_CACHE_ATTR)
     try:
         with contextlib.ExitStack() as stack:
             if q_scale:
                 stack.enter_context(_observe_queries(attention))
             if pipeline == "basic":
-                stack.enter_context(_stop_after(model, last))
+                stack.enter_context(_stop_after(model, stop_at))
             oneshot(model=model, processor=tokenizer, dataset=batches, recipe=[modifier],
                     pipeline=pipeline)
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""The basic pipeline stops each forward pass after the last attention layer.
+"""The basic pipeline stops each forward pass once the last attention layer has been seen.
 
 Nothing after it (the last MLP, the final norm, lm_head) runs, and no scale changes:
 kvcalib's scales are byte for byte those of llm-compressor's own oneshot, run here
