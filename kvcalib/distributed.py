@@ -42,15 +42,15 @@ def under_torchrun() -> bool:
 
 @contextlib.contextmanager
 def joined() -> Iterator[Ranks]:
-    """This process's ranks for one calibration; leaves a process group it started."""
+    """This process's ranks for one calibration. A process group started here is closed
+    after success; after a failure the process is about to exit, and closing a group
+    whose peers are gone can hang."""
     ranks = _setup()
-    try:
-        yield ranks
-    finally:
-        if ranks.initialized_here:
-            import torch.distributed as dist
+    yield ranks
+    if ranks.initialized_here:
+        import torch.distributed as dist
 
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def _setup() -> Ranks:
@@ -69,6 +69,9 @@ def _setup() -> Ranks:
         if torch.accelerator.current_accelerator() is not None:
             from compressed_tensors.distributed import init_dist
 
+            if not under_torchrun():
+                raise UsageError("WORLD_SIZE is set but this process was not started by "
+                                 "torchrun; start kvcalib with torchrun or --nproc-per-node")
             init_dist()
         else:
             dist.init_process_group("gloo", init_method="env://")
@@ -88,13 +91,13 @@ def shares(count: int, world_size: int) -> list[range]:
             for r in range(world_size)]
 
 
-def summary(ranks: Ranks, shares: list[range], rows: list[int]) -> dict[str, Any]:
+def summary(ranks: Ranks, parts: list[range], rows: list[int]) -> dict[str, Any]:
     """For the report: the job's size and backend, and each rank's samples (1-based,
     first and last) and their dataset rows."""
     return {"world_size": ranks.world_size, "backend": ranks.backend,
-            "ranks": [{"rank": rank, "samples": [share.start + 1, share.stop],
-                       "rows": rows[share.start:share.stop]}
-                      for rank, share in enumerate(shares)]}
+            "ranks": [{"rank": rank, "samples": [part.start + 1, part.stop],
+                       "rows": rows[part.start:part.stop]}
+                      for rank, part in enumerate(parts)]}
 
 
 @contextlib.contextmanager
@@ -161,10 +164,11 @@ def launch(nproc: int, kvcalib_args: list[str]) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    if "OMP_NUM_THREADS" not in os.environ and not _has_gpu():
-        # torchrun would set 1 (and say so); share this machine's cores instead.
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would set 1 (and print a banner); share the node's cores instead.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported here
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "-m", "kvcalib", *kvcalib_args])
     try:
@@ -176,12 +180,6 @@ def launch(nproc: int, kvcalib_args: list[str]) -> int:
         raise CheckFailed(f"rank {rank} of {nproc} {_died(failure.exitcode)}; torchrun "
                           "stopped the other ranks and nothing was written") from None
     return 0
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _died(exitcode: int) -> str:
