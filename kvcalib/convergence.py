@@ -47,9 +47,10 @@ def flagged(layers: list[dict[str, Any]], kinds: tuple[str, ...]) -> list[dict[s
         for kind in kinds:
             growth = [s["last_half_growth"] or 0.0 for s in layer[f"{kind}_convergence"]]
             if max(growth) > LATE_GROWTH:
+                heads = [h for h, g in enumerate(growth) if g > LATE_GROWTH]
                 found.append({"layer": layer["layer"], "kind": kind,
                               "last_half_growth": max(growth),
-                              "heads": [h for h, g in enumerate(growth) if g > LATE_GROWTH]})
+                              "heads": heads if len(growth) > 1 else None})
     return found
 
 

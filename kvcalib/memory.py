@@ -7,7 +7,6 @@ Estimated from the safetensors headers and config.json alone:
   a few float32 copies of the hidden and intermediate states;
 - the sequential pipeline's cache: each sample's hidden states and mask between layers,
   kept in host memory;
-
 - the runtime: libraries loaded later and allocator slack, a fixed 512 MiB.
 
 `basic` needs the weights and one sample's activations on the device. `sequential`
@@ -15,8 +14,8 @@ onloads one layer at a time: the device holds the largest layer and the activati
 host memory the weights and the cache. On a CPU the device is host memory, so
 sequential never needs less there. Ranks on one node share its host memory equally.
 
-KVCALIB_DEVICE_MEMORY (GiB, or with a unit: 512MiB, 8GiB...) caps what kvcalib believes the device
-has free: to leave room for other jobs, and to test these decisions.
+KVCALIB_DEVICE_MEMORY (GiB, or with a unit: 512MiB, 8GiB...) caps what kvcalib believes
+the device has free: to leave room for other jobs, and to test these decisions.
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ DEVICE_MEMORY_ENV = "KVCALIB_DEVICE_MEMORY"
 FIT = 0.8  # use at most this share of what is free: the activations are estimates
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _STORED_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # floating tensors are cast when loaded
-
-
 RUNTIME = 512 * 2**20  # libraries still to load and allocator slack, beyond the estimate
 
 
@@ -55,6 +52,7 @@ class Need:
 
 def estimate(model_dir: Path, config: dict[str, Any], compute_dtype: str, max_seq_len: int,
              samples: int) -> Need:
+    """What one rank needs for `samples` samples of up to `max_seq_len` tokens."""
     element = _BYTES[compute_dtype]
     per_layer: dict[int, int] = defaultdict(int)
     weights = 0
@@ -89,7 +87,8 @@ class Free:
 def available(device: str, local_ranks: int) -> Free:
     """What is free for this rank now. KVCALIB_DEVICE_MEMORY, when lower, stands for what
     the device has; host memory is shared by the ranks of the node."""
-    cap = parse_budget(os.environ[DEVICE_MEMORY_ENV]) if os.environ.get(DEVICE_MEMORY_ENV) else None
+    cap_text = os.environ.get(DEVICE_MEMORY_ENV)
+    cap = parse_budget(cap_text) if cap_text else None
     host = _host_available()
     if device == "cpu":
         capped = cap is not None and cap < host

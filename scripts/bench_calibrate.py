@@ -9,10 +9,11 @@ Every ratio comes from measurements of this run. Each timed command is its own p
 
 - speed: `kvcalib run` on SmolLM2-135M (the demo model, basic pipeline) against a plain
   process that loads the same model, runs a no_grad forward over the same token ids
-  (transformers' default attention, and eager, the attention llm-compressor calibrates
-  under) and saves it with save_pretrained. Both tokenize with kvcalib.data. Whole-process
-  wall time and peak RSS, `--repeats` times interleaved; median and range of the ratios.
-  Targets: at most 0.85x the plain process's time and 1.1x its peak RSS.
+  (transformers' default attention sdpa, and eager, the attention llm-compressor
+  calibrates under) and saves it with save_pretrained. Both tokenize with kvcalib.data.
+  Whole-process wall time, CPU time and peak RSS, `--repeats` times interleaved; median
+  and range of the ratios to plain (sdpa). Targets: at most 0.85x the plain process's
+  time and 1.1x its peak RSS.
 - memory: a random-weight Llama of about 2 GB made here (15 layers of width 2048 and
   MLP 8192, tied embeddings of the demo tokenizer's 49,152 tokens): peak RSS of
   `--pipeline basic` and `--pipeline sequential` against its size, and the error
@@ -66,8 +67,11 @@ model.save_pretrained(out)
 """
 
 
-def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stdout) of one process, which must exit 0."""
+def timed(command: list[str], env: dict[str, str] | None = None, expect: int = 0,
+          ) -> tuple[float, float, int, str, str]:
+    """(wall seconds, CPU seconds, peak RSS bytes, stdout, stderr) of one process, which
+    must exit with `expect`. CPU time (user + system) is what the process computed: on a
+    machine shared with other jobs it varies far less than wall time."""
     with tempfile.TemporaryFile("w+") as errors:
         started = time.perf_counter()
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True,
@@ -75,10 +79,12 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float,
         stdout = process.stdout.read()
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
-        if os.waitstatus_to_exitcode(status) != 0:
-            errors.seek(0)
-            raise SystemExit(f"failed: {' '.join(command)}\n{errors.read()[-3000:]}")
-    return seconds, usage.ru_maxrss * 1024, stdout
+        errors.seek(0)
+        stderr = errors.read()
+    if os.waitstatus_to_exitcode(status) != expect:
+        raise SystemExit(f"exit {os.waitstatus_to_exitcode(status)}: {' '.join(command)}\n"
+                         f"{stderr[-3000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, stdout, stderr
 
 
 def spread(values: list[float]) -> str:
@@ -91,7 +97,7 @@ def bench_speed(args: argparse.Namespace, tmp: Path) -> None:
     kvcalib = [str(KVCALIB), "run", "--model", str(model_dir), "--dataset", "builtin",
                "--num-samples", str(args.num_samples), "--max-seq-len", str(args.max_seq_len),
                "--pipeline", "basic", "--overwrite", "--json", "-"]
-    runs: dict[str, list[tuple[float, int]]] = {}
+    runs: dict[str, list[tuple[float, float, int]]] = {}
     report = None
     for repeat in range(args.repeats):
         # kvcalib first: its report tells the plain process the compute dtype
@@ -104,25 +110,27 @@ def bench_speed(args: argparse.Namespace, tmp: Path) -> None:
                            report["compute"]["dtype"]]
             else:
                 command = [*kvcalib, "--output", out, *name.split()[2:]]
-            seconds, rss, stdout = timed(command)
+            seconds, cpu, rss, stdout, _ = timed(command)
             if not name.startswith("plain"):
                 report = json.loads(stdout)
-            runs.setdefault(name, []).append((seconds, rss))
-            print(f"  repeat {repeat + 1}: {name}: {seconds:.1f} s, {size(rss)}", flush=True)
+            runs.setdefault(name, []).append((seconds, cpu, rss))
+            print(f"  repeat {repeat + 1}: {name}: {seconds:.1f} s wall, {cpu:.1f} s CPU, "
+                  f"{size(rss)}", flush=True)
     base = runs["plain (sdpa)"]
     rows = []
     for name, values in runs.items():
         pairs = list(zip(values, base, strict=True))
-        rows.append([name, spread([s for s, _ in values]),
-                     spread([s / b for (s, _), (b, _) in pairs]),
-                     size(statistics.median(r for _, r in values)),
-                     spread([r / b for (_, r), (_, b) in pairs])])
+        rows.append([name, spread([v[0] for v in values]), spread([v[1] for v in values]),
+                     spread([v[0] / b[0] for v, b in pairs]),
+                     spread([v[1] / b[1] for v, b in pairs]),
+                     size(statistics.median(v[2] for v in values)),
+                     spread([v[2] / b[2] for v, b in pairs])])
     print(f"\nspeed: SmolLM2-135M, {report['samples']['used']} samples, "
           f"{report['samples']['num_tokens']} tokens, {report['compute']['dtype']} on "
           f"{report['compute']['device']}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}"
-          f", {len(base)} repeats (median, range)")
-    print(table(["process", "seconds", "x plain (sdpa)", "peak RSS", "RSS x plain (sdpa)"],
-                rows))
+          f", {len(base)} repeats interleaved (median, range; ratios pair each repeat)")
+    print(table(["process", "wall s", "CPU s", "wall x plain", "CPU x plain", "peak RSS",
+                 "RSS x plain"], rows))
 
 
 def random_llama(folder: Path, demo: Path) -> int:
@@ -156,8 +164,8 @@ def bench_memory(args: argparse.Namespace, tmp: Path) -> None:
               str(args.memory_seq_len), "--overwrite", "--weights", "link", "--json", "-"]
     rows = []
     for pipeline in ("basic", "sequential"):
-        seconds, rss, stdout = timed([*common, "--output", str(tmp / pipeline),
-                                      "--pipeline", pipeline])
+        seconds, _, rss, stdout, _ = timed([*common, "--output", str(tmp / pipeline),
+                                            "--pipeline", pipeline])
         need = json.loads(stdout)["memory"]
         rows.append([pipeline, f"{seconds:.0f}", size(rss), f"{rss / model_bytes:.2f}",
                      size(need["weights"] + need["activations"])])
@@ -165,12 +173,11 @@ def bench_memory(args: argparse.Namespace, tmp: Path) -> None:
           f"{args.memory_samples} samples x {args.memory_seq_len} tokens")
     print(table(["pipeline", "seconds", "peak RSS", "x model size", "kvcalib's estimate"],
                 rows))
-    env = {**os.environ, "KVCALIB_DEVICE_MEMORY": "1GiB"}
-    started = time.perf_counter()
-    result = subprocess.run([*common, "--output", str(tmp / "refused")], env=env,
-                            capture_output=True, text=True)
-    print(f"with KVCALIB_DEVICE_MEMORY=1GiB: exit {result.returncode} after "
-          f"{time.perf_counter() - started:.1f} s: {result.stderr.strip().splitlines()[-1]}")
+    env = {**os.environ, "KVCALIB_DEVICE_MEMORY": "2GiB"}
+    seconds, _, rss, _, stderr = timed([*common, "--output", str(tmp / "refused")], env=env,
+                                       expect=2)
+    print(f"with KVCALIB_DEVICE_MEMORY=2GiB: exit 2 after {seconds:.1f} s, peak RSS "
+          f"{size(rss)}: {stderr.strip().splitlines()[-1]}")
 
 
 def bytes_written() -> int:

@@ -101,7 +101,7 @@ def _wait_for(process: subprocess.Popen, marker: str) -> list[str]:
 
 def _long_run(model, out) -> list[str]:
     return ["run", "--model", str(model), "--output", str(out), "--dataset", "builtin",
-            "--num-samples", "32", "--max-seq-len", "256"]
+            "--num-samples", "16", "--max-seq-len", "256"]
 
 
 def test_killing_a_rank_stops_the_launched_job(demo_model, tmp_path):
