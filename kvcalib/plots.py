@@ -110,8 +110,9 @@ def convergence(path: Path, curves: Mapping[str, Mapping[int, np.ndarray]],
                 ax.step(samples, ratio, where="post", color="0.75", linewidth=0.8)
         ax.set_ylabel(f"{kind}: running / final")
         ax.grid(True, alpha=0.3)
-        if any(key[0] == kind for key in named):
-            ax.legend(fontsize="small")
+        flagged = sum(key[0] == kind for key in named)
+        if flagged:
+            ax.legend(fontsize="small", ncol=1 + flagged // 12)  # 80 layers may all be named
         half = len(next(iter(layers.values()))) // 2  # growth is measured from here
         ax.axvline(half, color="0.5", linestyle=":", linewidth=0.8)
     axes[-1].set_xlabel("samples")
