@@ -8,16 +8,24 @@ module chooses what it gets wrong by default and writes the output itself:
 - q_scale: llm-compressor 0.14.0.1 forces eager attention while calibrating, which
   bypasses compressed-tensors' hooked attention, so q is never observed and q_scale is
   saved as uninitialized memory. `_observe_queries` keeps the hooked attention;
-- output: the input's weight files are copied byte for byte and the scales are added
-  in their own file, so every weight is bit-identical to the input;
-- our own hooks record the absmax of every K/V/Q tensor in float32, so each scale is
-  checked against what was really seen before anything is written.
+- output: the input's weight files are copied, cloned or linked (kvcalib.weights) and
+  the scales are added in their own file, so every weight is bit-identical to the input;
+- our own hooks record each sample's absmax of every K/V/Q tensor in float32, so each
+  scale is checked against what was really seen before anything is written, and the
+  report says when each scale stopped growing (kvcalib.convergence);
+- work: no logits are needed, so the basic pipeline stops each forward pass once the
+  last attention layer's K and V (and Q) are seen: the rest of that layer, the final
+  norm and lm_head never run;
+- scale: under torchrun every rank calibrates its share of the samples
+  (kvcalib.distributed), and the pipeline is chosen, or the model refused, from the
+  bytes it needs before it is loaded (kvcalib.memory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -29,7 +37,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvcalib import checkpoint, data, geometry, layouts
+import numpy as np
+
+from kvcalib import checkpoint, convergence, data, distributed, geometry, layouts, memory
+from kvcalib import weights as weight_files
 from kvcalib.errors import CheckFailed, UsageError
 from kvcalib.schema import REPORT_FILE, REPORT_SCHEMA_VERSION
 
@@ -49,10 +60,14 @@ SCALE_RTOL = 2**-7
 
 @dataclass
 class CalibrationResult:
-    """Where the checkpoint went and what was measured (the content of the report)."""
+    """Where the checkpoint went and what was measured (the content of the report).
+
+    Under torchrun every rank gets one; only rank 0 wrote the checkpoint.
+    """
 
     output: Path
     report: dict[str, Any]
+    rank: int = 0
 
     @property
     def layers(self) -> list[dict[str, Any]]:
@@ -76,79 +91,182 @@ def calibrate(
     observer: str = "static_minmax",
     pipeline: str = "auto",
     dtype: str = "auto",
+    weights: str = "auto",
     overwrite: bool = False,
     log: Callable[[str], None] = _stderr,
 ) -> CalibrationResult:
-    """Measure FP8 KV scales of `model` on `dataset` and write `output` atomically."""
+    """Measure FP8 KV scales of `model` on `dataset` and write `output` atomically.
+
+    Under torchrun each rank calibrates its share of the samples; rank 0 alone writes,
+    and every rank returns the same report once the checkpoint is in place.
+    """
+    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
+    dataset = dataset or data.DatasetSpec()
+    started = time.perf_counter()
+    with distributed.joined() as ranks:
+        if not ranks.writer:
+            log = _silent  # rank 0 speaks for the job
+        checked = preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
+                            max_seq_len=max_seq_len, num_samples=num_samples, ranks=ranks)
+        model_dir, config, compute, plan = (checked.model_dir, checked.config, checked.compute,
+                                            checked.memory)
+        log(f"Loading {model_dir}" + (f" on {ranks.world_size} ranks ({ranks.backend})"
+                                      if ranks.world_size > 1 else ""))
+        tokenizer = _load_tokenizer(model_dir)
+        samples = data.select_samples(dataset, tokenizer, num_samples, max_seq_len, seed)
+        if len(samples.token_ids) < num_samples:
+            log(f"Only {len(samples.token_ids)} usable samples in {dataset.source} "
+                f"(asked for {num_samples}); calibrating on those.")
+        shares = distributed.shares(len(samples.token_ids), ranks.world_size)
+        if ranks.world_size > 1 and observer != "static_minmax":
+            log(f"Warning: llm-compressor averages {observer} statistics over the ranks, so "
+                f"the scales depend on the number of ranks ({ranks.world_size}); "
+                "static_minmax takes their maximum and does not")
+        torch_model = _load_model(model_dir, compute["dtype"],
+                                  plan.device if plan.pipeline == "basic" else "cpu")
+        attention = _attention_modules(torch_model, config)
+        load_s = time.perf_counter() - started
+
+        log(f"Calibrating {len(attention)} attention layers on {len(samples.token_ids)} "
+            f"samples ({samples.num_tokens} tokens), strategy {strategy}, observer {observer}, "
+            f"pipeline {plan.pipeline} ({plan.reason}), {compute['dtype']} on {compute['device']}")
+        attention_classes = _attention_classes(attention) if q_scale else None
+        modifier = build_modifier(strategy, observer, attention_classes)
+        t0 = time.perf_counter()
+        mine = [samples.token_ids[i] for i in shares[ranks.rank]]
+        recorder = _run_oneshot(torch_model, tokenizer, modifier, mine, plan.pipeline,
+                                attention, q_scale)
+        per_sample = _gather(recorder.per_sample(), ranks)
+        calibrate_s = time.perf_counter() - t0
+
+        kinds = ("k", "v", "q") if q_scale else ("k", "v")
+        scales = _scale_tensors(attention, kinds, compute["checkpoint_dtype"])
+        layers = _collect_scales(scales, per_sample, observer)
+        flagged = convergence.flagged(layers, kinds)
+        if flagged:
+            log(convergence.describe(flagged, len(layers) * len(kinds), len(samples.token_ids)))
+        quant_config = _quantization_config(torch_model)
+        report = {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "kvcalib_version": metadata.version("kvcalib"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "model": {"source": str(model), "path": str(model_dir),
+                      "architecture": (config.get("architectures") or ["?"])[0],
+                      "model_type": config.get("model_type")},
+            "scheme": {"num_bits": 8, "type": "float", "format": "float8_e4m3fn",
+                       "fp8_max": FP8_E4M3_MAX, "strategy": strategy, "q_scale": q_scale,
+                       "observer": observer},
+            "dataset": {**samples.dataset, "rows_used": samples.rows},
+            "samples": {"requested": num_samples, "used": len(samples.token_ids),
+                        "max_seq_len": max_seq_len, "num_tokens": samples.num_tokens,
+                        "seed": seed},
+            "pipeline": {"requested": pipeline, "used": plan.pipeline, "reason": plan.reason},
+            "compute": compute,
+            "distributed": distributed.summary(ranks, shares, samples.rows),
+            "memory": {"weights": plan.need.weights, "activations": plan.need.activations,
+                       "needed": plan.needed, "free": plan.free.device,
+                       "capped": plan.free.capped},
+            "weights": {"requested": weights, "used": checked.placement[0],
+                        "reason": checked.placement[1]},
+            "convergence": {"late_growth_threshold": convergence.LATE_GROWTH,
+                            "flagged": flagged, "note": convergence.FLAG_NOTE},
+            "versions": _versions(),
+            "timings_s": {"load": round(load_s, 3), "calibrate": round(calibrate_s, 3)},
+            "layers": layers,
+        }
+        if ranks.writer:
+            t0 = time.perf_counter()
+            log(f"Writing {checked.target}")
+            with checkpoint.atomic_output_dir(checked.target, overwrite) as tmp:
+                write_checkpoint(tmp, model_dir, scales, quant_config, _recipe_yaml(modifier),
+                                 weights=checked.placement[0])
+                report["timings_s"]["save"] = round(time.perf_counter() - t0, 3)
+                report["timings_s"]["total"] = round(time.perf_counter() - started, 3)
+                (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+        distributed.barrier(ranks, "rank 0 wrote the checkpoint")
+    return CalibrationResult(checked.target, report, ranks.rank)
+
+
+def _silent(_message: str) -> None:
+    pass
+
+
+def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
+                  num_samples: int, max_seq_len: int) -> None:
+    """The option checks that need no files: before anything slow starts."""
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("observer", observer, OBSERVERS)
     _check_choice("pipeline", pipeline, PIPELINES)
     _check_choice("dtype", dtype, DTYPES)
-    data.check_sample_args(num_samples, max_seq_len)  # before any slow step
-    dataset = dataset or data.DatasetSpec()
-    started = time.perf_counter()
+    _check_choice("weights mode", weights, weight_files.MODES)
+    data.check_sample_args(num_samples, max_seq_len)
 
-    model_dir = checkpoint.resolve_model(str(model))
-    target = checkpoint.check_output_target(Path(output), model_dir, overwrite)
-    config = _check_causal_lm(model_dir)
 
-    log(f"Loading {model_dir}")
-    tokenizer = _load_tokenizer(model_dir)
-    samples = data.select_samples(dataset, tokenizer, num_samples, max_seq_len, seed)
-    if len(samples.token_ids) < num_samples:
-        log(f"Only {len(samples.token_ids)} usable samples in {dataset.source} "
-            f"(asked for {num_samples}); calibrating on those.")
-    torch_model, compute = _load_model(model_dir, dtype)
-    attention = _attention_modules(torch_model, config)
-    chosen_pipeline, reason = _choose_pipeline(pipeline, torch_model, max_seq_len, compute)
-    load_s = time.perf_counter() - started
+def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: int, *,
+                 strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
+                 num_samples: int, max_seq_len: int) -> None:
+    """What `run --nproc-per-node` refuses once, before starting the ranks (each checks
+    again). On GPUs the memory is left to each rank: asking a GPU here would create a CUDA
+    context that holds memory for the whole job."""
+    import torch
 
-    log(f"Calibrating {len(attention)} attention layers on {len(samples.token_ids)} samples "
-        f"({samples.num_tokens} tokens), strategy {strategy}, observer {observer}, "
-        f"pipeline {chosen_pipeline} ({reason}), {compute['dtype']} on {compute['device']}")
-    attention_classes = _attention_classes(attention) if q_scale else None
-    modifier = build_modifier(strategy, observer, attention_classes)
-    t0 = time.perf_counter()
-    absmax = _run_oneshot(torch_model, modifier, samples, max_seq_len, chosen_pipeline, attention,
-                          q_scale)
-    calibrate_s = time.perf_counter() - t0
-
-    kinds = ("k", "v", "q") if q_scale else ("k", "v")
-    scales = _scale_tensors(attention, kinds, compute["checkpoint_dtype"])
-    layers = _collect_scales(scales, absmax, observer)
-    quant_config = _quantization_config(torch_model)
-    t0 = time.perf_counter()
-    report = {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "kvcalib_version": metadata.version("kvcalib"),
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "model": {"source": str(model), "path": str(model_dir),
-                  "architecture": (config.get("architectures") or ["?"])[0],
-                  "model_type": config.get("model_type")},
-        "scheme": {"num_bits": 8, "type": "float", "format": "float8_e4m3fn",
-                   "fp8_max": FP8_E4M3_MAX, "strategy": strategy, "q_scale": q_scale,
-                   "observer": observer},
-        "dataset": {**samples.dataset, "rows_used": samples.rows},
-        "samples": {"requested": num_samples, "used": len(samples.token_ids),
-                    "max_seq_len": max_seq_len, "num_tokens": samples.num_tokens, "seed": seed},
-        "pipeline": {"requested": pipeline, "used": chosen_pipeline, "reason": reason},
-        "compute": compute,
-        "versions": _versions(),
-        "timings_s": {"load": round(load_s, 3), "calibrate": round(calibrate_s, 3)},
-        "layers": layers,
-    }
-    log(f"Writing {target}")
-    with checkpoint.atomic_output_dir(target, overwrite) as tmp:
-        write_checkpoint(tmp, model_dir, scales, quant_config, _recipe_yaml(modifier))
-        report["timings_s"]["save"] = round(time.perf_counter() - t0, 3)
-        report["timings_s"]["total"] = round(time.perf_counter() - started, 3)
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
-    return CalibrationResult(target, report)
+    distributed.check_nproc(nproc)
+    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
+    distributed.shares(num_samples, nproc)
+    preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
+              max_seq_len=max_seq_len, num_samples=num_samples,
+              ranks=distributed.Ranks(world_size=nproc, local_world_size=nproc),
+              plan_memory=not torch.cuda.is_available())
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+
+
+@dataclass
+class Preflight:
+    """What is known before anything is loaded (see `preflight`)."""
+
+    model_dir: Path
+    target: Path
+    config: dict[str, Any]
+    placement: tuple[str, str]  # weights mode, and why
+    compute: dict[str, str]
+    memory: memory.Plan | None
+
+
+def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: str, *,
+              dtype: str, pipeline: str, max_seq_len: int, num_samples: int,
+              ranks: distributed.Ranks, plan_memory: bool = True) -> Preflight:
+    """Check the model folder, the output target, how weights will be placed and whether
+    the model fits, all before anything is loaded. Only the writer (rank 0) checks the
+    output: on other nodes its folder need not exist."""
+    model_dir = checkpoint.resolve_model(str(model))
+    target = Path(output)
+    if ranks.writer:
+        target = checkpoint.check_output_target(target, model_dir, overwrite)
+    config = _check_causal_lm(model_dir)
+    placement = (weights, "rank 0 writes")
+    if ranks.writer:
+        placement = weight_files.choose(weights, [model_dir / name for name in
+                                                  checkpoint.weight_files(model_dir)],
+                                        target.parent)
+    compute = _compute_settings(model_dir, dtype)
+    if not plan_memory:
+        return Preflight(model_dir, target, config, placement, compute, None)
+    device = _device(compute)
+    per_rank = -(-num_samples // ranks.world_size)  # at most this many samples per rank
+    plan = memory.plan(pipeline, memory.estimate(model_dir, config, compute["dtype"],
+                                                 max_seq_len, per_rank),
+                       memory.available(device, ranks.local_world_size), device)
+    if (plan.pipeline == "sequential" and device != "cpu"
+            and ranks.world_size > ranks.local_world_size):
+        raise UsageError("the sequential pipeline cannot run on several nodes: "
+                         "llm-compressor 0.14.0.1 onloads layers to cuda:<global rank> "
+                         "(utils/dev.py get_main_device), a GPU the other nodes lack; "
+                         "use --pipeline basic (the model must fit one GPU) or one node")
+    return Preflight(model_dir, target, config, placement, compute, plan)
 
 
 def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
@@ -196,26 +314,44 @@ def _is_kv_only(quant: dict[str, Any]) -> bool:
     )
 
 
-def _load_model(model_dir: Path, dtype: str):
-    """Load for calibration. Eager attention: llm-compressor calibrates under it anyway."""
+def _compute_settings(model_dir: Path, dtype: str) -> dict[str, str]:
+    """Device and compute dtype; bf16/fp16 matmuls without native CPU support run several
+    times slower than fp32, so `auto` computes in float32 there."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     stored = _checkpoint_dtype(model_dir)
     if dtype == "auto":
-        # bf16/fp16 matmuls without native CPU support run several times slower than fp32.
         native_half = device == "cuda" or torch.cpu._is_avx512_bf16_supported()
         dtype = stored if native_half or stored == "float32" else "float32"
+    return {"device": device, "dtype": dtype, "checkpoint_dtype": stored}
+
+
+def _device(compute: dict[str, str]) -> str:
+    """This rank's device: torchrun's ranks each use their own GPU (set by init_dist)."""
+    if compute["device"] == "cpu":
+        return "cpu"
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _load_model(model_dir: Path, dtype: str, device: str):
+    """Load for calibration, on `device` (the sequential pipeline onloads from the CPU
+    itself). Eager attention: llm-compressor calibrates under it anyway."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="eager",
+            device_map=None if device == "cpu" else device,
         )
     except Exception as exc:  # transformers raises many types for unloadable models
         raise UsageError(f"cannot load {model_dir} as a causal LM: "
                          f"{str(exc).splitlines()[0]}") from None
     model.eval()
-    return model, {"device": device, "dtype": dtype, "checkpoint_dtype": stored}
+    return model
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:
@@ -247,33 +383,6 @@ def _attention_classes(attention: dict[str, Any]) -> list[str]:
     return sorted({type(m).__name__ for m in attention.values()})
 
 
-def _choose_pipeline(requested: str, model, max_seq_len: int,
-                     compute: dict[str, str]) -> tuple[str, str]:
-    """`basic` when the model and one sample's activations fit the device, else sequential."""
-    if requested != "auto":
-        return requested, "requested"
-    import torch
-
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    cfg = model.config.get_text_config()
-    # Eager attention holds one (heads x seq x seq) fp32 matrix per layer at a time.
-    activations = 4 * cfg.num_attention_heads * max_seq_len**2 + 64 * max_seq_len * cfg.hidden_size
-    on_gpu = compute["device"] == "cuda"
-    free = torch.cuda.mem_get_info()[0] if on_gpu else _available_host_memory()
-    need = params + activations
-    if need < 0.8 * free:
-        return "basic", f"needs ~{need / 2**30:.1f} GiB of {free / 2**30:.1f} GiB free"
-    return "sequential", f"~{need / 2**30:.1f} GiB does not fit {free / 2**30:.1f} GiB free"
-
-
-def _available_host_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def kv_quantization_args(strategy: str, observer: str):
     """FP8 E4M3, static, symmetric: the only KV scheme vLLM loads from compressed-tensors."""
     from compressed_tensors.quantization import QuantizationArgs
@@ -302,61 +411,125 @@ def _recipe_yaml(modifier) -> str:
 
 
 class _AbsmaxRecorder:
-    """Per-head absmax of the post-RoPE states llm-compressor's observers see."""
+    """Each sample's per-head absmax of the post-RoPE states llm-compressor's observers see
+    (batch size 1: one hook call per sample, layer and kind).
 
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, str], Any] = {}
+    Values go into one array per layer and kind, made at the first sample: thousands of
+    small tensors kept alive between the forward passes' large ones would fragment the
+    heap and grow the process by megabytes per sample.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.values: dict[tuple[str, str], np.ndarray] = {}
+        self.seen: dict[tuple[str, str], int] = {}
 
     def hook(self, name: str, kind: str) -> Callable:
-        import torch
+        key = (name, kind)
 
-        def record(_module, states):  # states: (batch, heads, seq, head_dim)
-            amax = states.detach().abs().amax(dim=(0, 2, 3)).float().cpu()
-            old = self.values.get((name, kind))
-            self.values[(name, kind)] = amax if old is None else torch.maximum(old, amax)
+        def record(_module, states):  # states: (1, heads, seq, head_dim)
+            amax = states.detach().abs().amax(dim=(0, 2, 3)).float().cpu().numpy()
+            if key not in self.values:
+                self.values[key] = np.zeros((self.count, amax.size), dtype=np.float32)
+            sample = self.seen.get(key, 0)
+            if sample < self.count:
+                self.values[key][sample] = amax
+            self.seen[key] = sample + 1
 
         return record
 
+    def per_sample(self) -> dict[tuple[str, str], np.ndarray]:
+        """(samples, heads) per (module, kind), in the order the samples were fed."""
+        for (name, kind), seen in self.seen.items():
+            if seen != self.count:
+                raise CheckFailed(f"{name}: kvcalib's {kind} hook saw {seen} samples, "
+                                  f"expected {self.count}; nothing was saved")
+        return self.values
 
-def _run_oneshot(model, modifier, samples: data.Samples, max_seq_len: int, pipeline: str,
+
+class _StopForward(Exception):
+    """Raised once the last attention layer has run: nothing after it changes a scale."""
+
+
+@contextlib.contextmanager
+def _stop_after(model, last: Any) -> Iterator[None]:
+    """Make every forward pass of `model` end once module `last` has run: the last MLP,
+    the final norm and lm_head never run (the basic pipeline ignores the outputs)."""
+    def stop(_module, _args, _output):
+        raise _StopForward
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def until_last_attention(*args, **kwargs):
+        with contextlib.suppress(_StopForward):
+            return forward(*args, **kwargs)
+
+    handle = last.register_forward_hook(stop)
+    model.forward = until_last_attention
+    try:
+        yield
+    finally:
+        handle.remove()
+        del model.forward
+
+
+def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipeline: str,
                  attention: dict[str, Any], q_scale: bool) -> _AbsmaxRecorder:
+    """Calibrate on `token_ids`, one sample per batch, in the order given."""
     from compressed_tensors.modeling import (
+        KV_CACHE_ATTR,
         initialize_hooked_attention,
         initialize_hooked_kv_cache,
-        register_key_hook,
-        register_query_hook,
-        register_value_hook,
     )
-    from datasets import Dataset
     from llmcompressor import oneshot
+    from llmcompressor.modifiers.utils.hooks import HooksMixin
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
 
-    recorder = _AbsmaxRecorder()
-    handles = []
+    recorder = _AbsmaxRecorder(len(token_ids))
+    # Registered like llm-compressor's own hooks, so that the sequential pipeline's second
+    # pass over each layer (which only propagates outputs) does not record again.
+    hooks = HooksMixin()
     for name, module in attention.items():
         # The same hook points llm-compressor attaches its observers to (idempotent).
         if q_scale:
             initialize_hooked_attention(model, module)
-            handles.append(register_query_hook(module, recorder.hook(name, "q")))
+            hooks.register_hook(module, recorder.hook(name, "q"), "query")
         initialize_hooked_kv_cache(model, module)
-        handles.append(register_key_hook(module, recorder.hook(name, "k")))
-        handles.append(register_value_hook(module, recorder.hook(name, "v")))
-    rows = Dataset.from_dict({"input_ids": samples.token_ids,
-                              "attention_mask": [[1] * len(ids) for ids in samples.token_ids]})
-    context = _observe_queries(attention) if q_scale else contextlib.nullcontext()
+        hooks.register_hook(module, recorder.hook(name, "k"), "key")
+        hooks.register_hook(module, recorder.hook(name, "v"), "value")
+    # Our own loader keeps the samples in the seeded order (llm-compressor would sort
+    # them by length), so that sample numbers mean the same everywhere.
+    batches = DataLoader([{"input_ids": ids, "attention_mask": [1] * len(ids)}
+                          for ids in token_ids], batch_size=1, collate_fn=default_data_collator)
+    last = max(attention.items(), key=lambda item: layer_index(item[0]))[1]
+    # Without q, the last layer's keys and values are all that is needed of it: stop once
+    # its cache has seen them, before its attention and output projection.
+    stop_at = last if q_scale else getattr(last, KV_CACHE_ATTR)
     try:
-        with context:
-            oneshot(model=model, dataset=rows, recipe=[modifier], max_seq_length=max_seq_len,
-                    num_calibration_samples=len(samples.token_ids), pipeline=pipeline,
-                    shuffle_calibration_samples=False, batch_size=1)
+        with contextlib.ExitStack() as stack:
+            if q_scale:
+                stack.enter_context(_observe_queries(attention))
+            if pipeline == "basic":
+                stack.enter_context(_stop_after(model, stop_at))
+            oneshot(model=model, processor=tokenizer, dataset=batches, recipe=[modifier],
+                    pipeline=pipeline)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
         raise CheckFailed(f"calibration failed in llm-compressor: {type(exc).__name__}: "
                           f"{exc}") from exc
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove_hooks()
     return recorder
+
+
+def _gather(per_sample: dict[tuple[str, str], np.ndarray], ranks: distributed.Ranks,
+            ) -> dict[tuple[str, str], np.ndarray]:
+    """Every rank's per-sample absmax, in the order of the whole sample list."""
+    gathered = distributed.all_gather(per_sample, ranks, "gathering the absmax seen")
+    return {key: np.concatenate([part[key] for part in gathered]) for key in per_sample}
 
 
 @contextlib.contextmanager
@@ -407,17 +580,17 @@ def _scale_tensors(attention: dict[str, Any], kinds: tuple[str, ...], dtype: str
     return scales
 
 
-def _collect_scales(scales: dict[str, Any], recorder: _AbsmaxRecorder, observer: str,
-                    ) -> list[dict[str, Any]]:
-    """Per-layer scales and absmax; refuse scales that are non-finite, <= 0 or, for the
-    running-absmax observer, different from the absmax our own hooks saw."""
+def _collect_scales(scales: dict[str, Any], per_sample: dict[tuple[str, str], np.ndarray],
+                    observer: str) -> list[dict[str, Any]]:
+    """Per-layer scales, absmax and convergence; refuse scales that are non-finite, <= 0
+    or, for the running-absmax observer, different from the absmax our own hooks saw."""
     import torch
 
     layers: dict[str, dict[str, Any]] = {}
     for tensor_name, tensor in scales.items():
         name, kind = tensor_name.rsplit(".", 1)[0], tensor_name[-len("k_scale"):][0]
         scale = tensor.float().flatten()
-        seen = recorder.values[(name, kind)]
+        seen = torch.from_numpy(per_sample[(name, kind)].max(axis=0))
         if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
             raise CheckFailed(f"{tensor_name} came out {scale.tolist()}: not finite and "
                               "positive; nothing was saved")
@@ -431,6 +604,8 @@ def _collect_scales(scales: dict[str, Any], recorder: _AbsmaxRecorder, observer:
         entry = layers.setdefault(name, {"layer": layer_index(name), "module": name})
         entry[f"{kind}_scale"] = scale.tolist()
         entry[f"{kind}_absmax"] = seen.tolist()
+        entry[f"{kind}_convergence"] = convergence.per_scale(per_sample[(name, kind)],
+                                                             per_head=scale.numel() > 1)
     return sorted(layers.values(), key=lambda e: e["layer"])
 
 
@@ -448,12 +623,14 @@ def _quantization_config(model) -> dict[str, Any]:
 
 
 def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
-                     quant_config: dict[str, Any], recipe_yaml: str) -> None:
+                     quant_config: dict[str, Any], recipe_yaml: str,
+                     weights: str = "copy") -> None:
     """Copy the input checkpoint into `out`, add the scales, and point config and index at them.
 
-    Weight files are copied byte for byte, except that scale tensors of an earlier
-    calibration are dropped. A lone model.safetensors becomes a one-shard file, because
-    transformers ignores the index when model.safetensors exists.
+    Weight files are copied, cloned or hard-linked (`weights`, see kvcalib.weights), except
+    that a file holding scale tensors of an earlier calibration is rewritten without them.
+    A lone model.safetensors becomes a one-shard file, because transformers ignores the
+    index when model.safetensors exists.
     """
     from safetensors.torch import save_file
 
@@ -474,7 +651,7 @@ def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
         if old_scales:
             checkpoint.copy_tensors(model_dir, src, out / name, drop=old_scales)
         else:
-            shutil.copyfile(model_dir / src, out / name)
+            weight_files.place(model_dir / src, out / name, weights)
         weight_map.update({t: name for t in tensors if t not in old_scales})
     save_file({k: v.contiguous() for k, v in scales.items()}, out / SCALES_FILE,
               metadata={"format": "pt"})

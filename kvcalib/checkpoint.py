@@ -580,7 +580,8 @@ def _umask() -> int:
 
 def _make_durable(path: Path, umask: int) -> None:
     """Usual permissions (mkstemp and some writers create 0600 files), bytes on disk."""
-    path.chmod(0o666 & ~umask)
+    if path.stat().st_nlink == 1:  # a hard link's mode is the input file's
+        path.chmod(0o666 & ~umask)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 

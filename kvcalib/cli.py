@@ -142,26 +142,65 @@ def run(
     dtype: Annotated[str, typer.Option(
         help="Compute dtype: auto (the checkpoint's, or float32 on CPUs without native "
              "bf16), bfloat16, float16 or float32.")] = "auto",
+    weights: Annotated[str, typer.Option(
+        help="How the output gets the input's weight files: auto (reflink where the "
+             "filesystem clones, else copy), copy, reflink (copy-on-write clone), or link "
+             "(hard links: editing the input files in place would change the output).")
+    ] = "auto",
+    nproc_per_node: Annotated[int | None, typer.Option(
+        help="Calibrate on N ranks of this node through torchrun (one per GPU, or CPU "
+             "processes), each on its share of the samples. Several nodes: run torchrun "
+             "yourself (see the README).")] = None,
     overwrite: Annotated[bool, typer.Option(
         help="Replace a non-empty --output (only once the new checkpoint is complete).")] = False,
     json_path: JsonOut = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Write a PNG of each layer's running absmax / final value against samples "
+             "(did the scales converge?).")] = None,
 ) -> None:
     """Calibrate FP8 KV-cache scales into a checkpoint vLLM loads with kv_cache_dtype=fp8."""
-    from kvcalib.calibration import REPORT_FILE, calibrate
+    from kvcalib.calibration import REPORT_FILE, calibrate, check_launch
     from kvcalib.data import DEFAULT_DATASET, DEFAULT_SPLIT, DatasetSpec
     from kvcalib.report import calibration_summary
 
+    if nproc_per_node is not None and nproc_per_node != 1:
+        from kvcalib import distributed
+
+        check_launch(model, output, overwrite, nproc_per_node, strategy=strategy,
+                     observer=observer, pipeline=pipeline, dtype=dtype, weights=weights,
+                     num_samples=num_samples, max_seq_len=max_seq_len)
+        raise typer.Exit(distributed.launch(nproc_per_node,
+                                            _without_option(sys.argv[1:], "--nproc-per-node")))
     if split is None and dataset == DEFAULT_DATASET:
         split = DEFAULT_SPLIT
     result = calibrate(
         model, output, strategy=strategy, q_scale=q_scale,
         dataset=DatasetSpec(dataset, dataset_config, split, text_column),
         num_samples=num_samples, max_seq_len=max_seq_len, seed=seed, observer=observer,
-        pipeline=pipeline, dtype=dtype, overwrite=overwrite, log=_info,
+        pipeline=pipeline, dtype=dtype, weights=weights, overwrite=overwrite, log=_info,
     )
+    if result.rank != 0:
+        return  # rank 0 prints for the job
+    if plot:
+        from kvcalib.convergence import plot as draw
+
+        _info(f"Plot: {draw(result.report, plot)}")
     _output(json_path, result.report, "\n".join([
         calibration_summary(result.report), f"Checkpoint: {result.output}",
         f"Report:     {result.output / REPORT_FILE}"]))
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """`argv` without `name VALUE` or `name=VALUE`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith(f"{name}="):
+            skip = False
+            continue
+        skip = arg == name
+        if not skip:
+            kept.append(arg)
+    return kept
 
 
 @app.command()

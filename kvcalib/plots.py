@@ -94,3 +94,30 @@ def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[f
     axes[-1].set_xlabel("layer")
     figure.suptitle(title)
     return _save(figure, path)
+
+
+def convergence(path: Path, curves: Mapping[str, Mapping[int, np.ndarray]],
+                named: Mapping[tuple[str, int], float], title: str) -> Path:
+    """One panel per kind: each layer's running absmax ÷ final against samples. Layers in
+    `named` ((kind, layer) -> growth in the last half) are drawn in colour and labelled;
+    the others in grey."""
+    figure = _figure(7.0, 2.8 * len(curves) + 0.6)
+    axes = figure.subplots(len(curves), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (kind, layers) in zip(axes, curves.items(), strict=True):
+        for layer, ratio in layers.items():
+            samples = np.arange(1, len(ratio) + 1)
+            if (kind, layer) in named:
+                ax.step(samples, ratio, where="post", linewidth=1.6,
+                        label=f"layer {layer} (+{named[kind, layer]:.1%} in the last half)")
+            else:
+                ax.step(samples, ratio, where="post", color="0.75", linewidth=0.8)
+        ax.set_ylabel(f"{kind}: running / final")
+        ax.grid(True, alpha=0.3)
+        flagged = sum(key[0] == kind for key in named)
+        if flagged:
+            ax.legend(fontsize="small", ncol=1 + flagged // 12)  # 80 layers may all be named
+        half = len(next(iter(layers.values()))) // 2  # growth is measured from here
+        ax.axvline(half, color="0.5", linestyle=":", linewidth=0.8)
+    axes[-1].set_xlabel("samples")
+    figure.suptitle(title, fontsize="medium")
+    return _save(figure, path)

@@ -28,16 +28,25 @@ def _update(result: dict, key, amax: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str) -> dict:
-    """{(layer, "k"|"v"): per-KV-head absmax} over all samples, post-RoPE."""
+def kv_absmax_per_sample(model_dir: Path, token_ids: list[list[int]], dtype: str) -> list[dict]:
+    """For each sample: {(layer, "k"|"v"): per-KV-head absmax}, post-RoPE."""
     model = _load(model_dir, dtype)
-    result: dict = {}
+    result = []
     for ids in token_ids:
         cache = DynamicCache()  # without a config every layer keeps all tokens
         model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        for layer, entry in enumerate(cache.layers):
-            _update(result, (layer, "k"), entry.keys.abs().amax(dim=(0, 2, 3)).float())
-            _update(result, (layer, "v"), entry.values.abs().amax(dim=(0, 2, 3)).float())
+        result.append({(layer, kind): states.abs().amax(dim=(0, 2, 3)).float()
+                       for layer, entry in enumerate(cache.layers)
+                       for kind, states in (("k", entry.keys), ("v", entry.values))})
+    return result
+
+
+def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str) -> dict:
+    """{(layer, "k"|"v"): per-KV-head absmax} over all samples, post-RoPE."""
+    result: dict = {}
+    for sample in kv_absmax_per_sample(model_dir, token_ids, dtype):
+        for key, amax in sample.items():
+            _update(result, key, amax)
     return result
 
 
