@@ -172,7 +172,7 @@ def test_compare_with_a_scales_file(smol_attn_head, tmp_path):
     save_file(halved, tmp_path / "halved.safetensors")
     result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96,
                       compare=tmp_path / "halved.safetensors", log=lambda _: None)
-    compared = result.metrics["compare: halved.safetensors (e4m3)"]
+    compared = result.metrics["compare: halved.safetensors (scales file, e4m3)"]
     assert compared.clipped["k"] > 0.005 > result.metrics[CALIBRATED].clipped["k"]
     save_file({"model.layers.0.self_attn.k_scale": halved["model.layers.0.self_attn.k_scale"]},
               tmp_path / "one.safetensors")
