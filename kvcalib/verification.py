@@ -115,11 +115,12 @@ def measurement_notes(found: StaticScales) -> list[Check]:
                            "kv_cache_post_rope)"))
     pairs = [(found.values[(layer, "k")], found.values.get((layer, "v")))
              for layer, kind in found.values if kind == "k"]
-    if len(pairs) > 1 and all(v is not None and np.array_equal(k, v) for k, v in pairs):
+    merged = len(pairs) > 1 and all(v is not None and np.array_equal(k, v) for k, v in pairs)
+    if merged and found.scheme is not None and found.scheme.layout == "quark":
         notes.append(Check("measurement", WARN, f"k_scale equals v_scale in all {len(pairs)} "
-                           "layers: k and v were merged into one scale, max(k, v) (Quark does "
-                           "so for its kv_cache_group before RoPE), which is coarser than "
-                           "needed for the smaller of the two"))
+                           "layers: Quark merged k and v into one scale, max(k, v) (it does so "
+                           "for its kv_cache_group before RoPE), which is coarser than needed "
+                           "for the smaller of the two"))
     return notes
 
 

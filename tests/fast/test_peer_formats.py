@@ -18,7 +18,7 @@ NOT_IN_LAYER_QUANT_CONFIG = ("no layer_quant_config entry matches kv_cache_group
                              "'*v_proj'] (Quark 0.13 writes it under kv_cache_quant_config, "
                              "which vLLM 0.32 does not read)")
 PRE_ROPE = "keys were measured at k_proj's output, before RoPE"
-MERGED = "k_scale equals v_scale in all 30 layers"
+MERGED = "k_scale equals v_scale in all 30 layers: Quark merged k and v into one scale"
 
 
 def warnings(report: dict) -> list[str]:
