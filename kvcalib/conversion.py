@@ -5,8 +5,8 @@ config, for teams that calibrate with one tool and serve another format.
   scales are written anew, in the target's names, shapes and dtype, in their own file.
 - quantization_config becomes a KV-only config of the target format, written as vLLM
   0.32's loader for it needs (kvcalib/layouts.py), which is not always what the tool
-  itself writes: ModelOpt 0.47 leaves quant_algo out of KV-only exports, and Quark 0.13
-  keeps the KV config where vLLM does not read it.
+  itself writes: ModelOpt 0.47 leaves quant_algo out of KV-only exports, and Quark 0.13's
+  KV-only exports keep the KV config where vLLM does not read it.
 - Only checkpoints with unquantized weights: one quantization_config describes weights and
   KV cache in one format, and convert does not touch the weights.
 - A per-head scale, in a format that has per-tensor scales only (ModelOpt, Quark), becomes

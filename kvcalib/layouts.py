@@ -239,8 +239,8 @@ def _quark(quant: dict[str, Any]) -> KvScheme | None:
                       pre_rope=not quant.get("kv_cache_post_rope", False),
                       fp8=isinstance(output, dict) and output.get("dtype") == "fp8_e4m3")
     if not matched:
-        where = (" (Quark 0.13 writes it under kv_cache_quant_config, which vLLM 0.32 does "
-                 "not read)" if shown else "")
+        where = (" (Quark 0.13 writes it under kv_cache_quant_config when it quantizes only "
+                 "the KV cache, and vLLM 0.32 does not read that)" if shown else "")
         scheme.problems.append(f"no layer_quant_config entry matches kv_cache_group {group}"
                                f"{where}: vLLM refuses to load it (\"kv_cache_group parameter "
                                "setting, but no kv_cache quantization settings were found\")")

@@ -17,6 +17,12 @@ this runs in a scratch virtual environment outside the repository:
     PYTHONPATH=. /tmp/peers-env/bin/python scripts/make_peer_fixtures.py \\
         --model ~/.cache/kvcalib/models/SmolLM2-135M-Instruct --exports /tmp/peer-exports
 
+kvcalib's own scales on the same texts, for comparison (in the project's environment):
+
+    .venv/bin/kvcalib run --model SmolLM2 --output /tmp/peer-exports/kvcalib-tensor \
+        --strategy tensor --dataset builtin --num-samples 16 --max-seq-len 512
+    .venv/bin/python scripts/make_peer_fixtures.py --reduce /tmp/peer-exports/kvcalib-tensor
+
 What each export runs (the calls the issue names; CPU, bf16, one sample per batch):
 - quark-fp8:  LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8"),
               ModelQuantizer(cfg).quantize_model(model, loader),
@@ -164,11 +170,21 @@ def main() -> None:
     from importlib import metadata
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--exports", type=Path, required=True,
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--exports", type=Path,
                         help="Folder for the whole exports (kept, outside the repository).")
     parser.add_argument("--only", nargs="*", choices=sorted(EXPORTS), help="Just these.")
+    parser.add_argument("--reduce", type=Path, help="Only reduce this kvcalib checkpoint to "
+                        "a fixture of its folder's name.")
     args = parser.parse_args()
+    if args.reduce:
+        report = json.loads((args.reduce / "kvcalib_report.json").read_text())
+        reduce_to_fixture(args.reduce, FIXTURES / args.reduce.name,
+                          {"kvcalib": report["kvcalib_version"], **report["versions"]},
+                          report["dataset"]["token_ids_sha256"])
+        return
+    if not (args.model and args.exports):
+        parser.error("--model and --exports are needed to export")
     batches, digest = calibration_batches(args.model)
     for name in args.only or EXPORTS:
         out = args.exports / name

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+import peers
 from conftest import run_kvcalib
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.errors import UsageError
@@ -164,6 +165,19 @@ def test_compare_with_another_models_scales_is_refused(smol_attn_head, tiny_mode
     with pytest.raises(UsageError, match="scales are for another model shape"):
         evaluate(smol_attn_head, num_samples=1, max_seq_len=16, compare=other,
                  log=lambda _: None)
+
+
+def test_compare_with_a_peer_checkpoint_folder(smol_attn_head, tmp_path):
+    """A real Quark export (which vLLM 0.32 refuses to load) as --compare: its scales are
+    simulated all the same, the row names its folder and layout, and the notes say that
+    they were measured before RoPE and merged."""
+    quark = peers.materialize("quark-kv", tmp_path / "quark-kv")
+    result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96, compare=quark,
+                      log=lambda _: None)
+    compared = result.metrics["compare: quark-kv (quark, e4m3)"]
+    assert 0 < compared.mean_kl != result.metrics[CALIBRATED].mean_kl
+    notes = [n for n in result.notes if n.startswith("--compare quark-kv: ")]
+    assert len(notes) == 2 and "before RoPE" in notes[0] and "merged" in notes[1]
 
 
 def test_compare_with_a_scales_file(smol_attn_head, tmp_path):

