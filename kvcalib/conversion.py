@@ -25,6 +25,7 @@ import numpy as np
 from kvcalib import calibration, checkpoint, layouts, verification
 from kvcalib.checks import FAIL
 from kvcalib.errors import UsageError
+from kvcalib.schema import REPORT_FILE
 
 TARGETS = tuple(layouts.SCALE_NAMES)
 # The dtype each format's own tool stores KV scales in ("model": the model's dtype).
@@ -58,14 +59,7 @@ def convert(source: str | Path, to: str, output: str | Path,
         raise UsageError(f"unknown format {to!r}; convert writes {', '.join(TARGETS)}")
     folder = Path(source)
     checks, found = verification.static_checks(folder)  # a missing folder is a UsageError
-    scheme = _convertible(folder, checks, found, to)
-    tensors = checkpoint.tensor_index(folder)
-    quantized = layouts.quantized_weights(tensors)
-    if quantized:
-        raise UsageError(f"{folder} has quantized weights (e.g. {quantized[0]}); one "
-                         "quantization_config describes weights and KV cache in one format, "
-                         "and convert rewrites only the KV part, so it converts checkpoints "
-                         "whose weights are not quantized")
+    scheme, tensors = _convertible(folder, checks, found, to)
     target = checkpoint.check_output_target(Path(output), folder, overwrite)
     notes = [c.message for c in verification.measurement_notes(found)]
     strategy = scheme.strategy if to == "compressed-tensors" else "tensor"
@@ -74,27 +68,30 @@ def convert(source: str | Path, to: str, output: str | Path,
                      f"{to} has one scale per layer")
     if scheme.quantizes_query:
         notes.append("q scales were left out: kvcalib converts k and v scales only")
+    left_out = [name for name in (REPORT_FILE, "recipe.yaml") if (folder / name).exists()]
+    if left_out:
+        notes.append(f"{' and '.join(left_out)} (the source's calibration) were left out")
     dtype = SCALE_DTYPES[to]
     if dtype == "model":
         dtype = SAFETENSORS_DTYPES.get(found.geometry.dtype, "F32")
-    scales = _target_scales(found, tensors, to, strategy)
+    scales = {name: (dtype, shape, _encode(values, dtype)) for name, (shape, values) in
+              _target_scales(found, tensors, to, strategy).items()}
     with checkpoint.atomic_output_dir(target, overwrite) as tmp:
         weight_map = calibration.copy_weights(tmp, folder, leave_out=(
             layouts.MODELOPT_LEGACY_FILE,))
-        checkpoint.write_tensors(tmp / calibration.SCALES_FILE, {
-            name: (dtype, shape, _encode(values, dtype)) for name, (shape, values) in
-            scales.items()})
+        checkpoint.write_tensors(tmp / calibration.SCALES_FILE, scales)
         weight_map.update(dict.fromkeys(scales, calibration.SCALES_FILE))
         calibration.write_index(tmp, weight_map)
         calibration.write_config(tmp, folder, _quantization_config(to, strategy, tensors))
     return Conversion(str(folder.resolve()), str(target), scheme.layout, to, strategy,
-                      {name: _decode(_encode(values, dtype), dtype).tolist()
-                       for name, (_, values) in scales.items()}, notes)
+                      {name: _decode(raw, dtype).tolist()
+                       for name, (dtype, _, raw) in scales.items()}, notes)
 
 
-def _convertible(folder: Path, checks: list, found: verification.StaticScales,
-                 to: str) -> layouts.KvScheme:
-    """The source's scheme, once its KV scales are known readable and its weights plain."""
+def _convertible(folder: Path, checks: list, found: verification.StaticScales, to: str,
+                 ) -> tuple[layouts.KvScheme, dict[str, checkpoint.TensorInfo]]:
+    """The source's scheme and tensors, once its KV scales are known readable and its
+    weights plain."""
     failed = {c.group: c.message for c in reversed(checks) if c.status == FAIL}
     for group in ("config", "weights", "layers"):
         if group in failed:
@@ -113,7 +110,14 @@ def _convertible(folder: Path, checks: list, found: verification.StaticScales,
                          f"({scheme.declared}); convert moves FP8 scales only")
     if "scales" in failed:
         raise UsageError(f"{folder}: its KV scales do not pass verify: {failed['scales']}")
-    return scheme
+    tensors = checkpoint.tensor_index(folder)
+    quantized = layouts.quantized_weights(tensors)
+    if quantized:
+        raise UsageError(f"{folder} has quantized weights (e.g. {quantized[0]}); one "
+                         "quantization_config describes weights and KV cache in one format, "
+                         "and convert rewrites only the KV part, so it converts checkpoints "
+                         "whose weights are not quantized")
+    return scheme, tensors
 
 
 def _target_scales(found: verification.StaticScales, tensors: dict[str, checkpoint.TensorInfo],
