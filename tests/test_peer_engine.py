@@ -89,3 +89,25 @@ def _loads_and_reads_back(ckpt: Path, layout: str, cache_dtype: str, tmp_path: P
     readback = [c for c in report["checks"] if c["group"] == "readback"]
     assert len(readback) == 60 and all(c["status"] == "pass" for c in readback)
     assert len(static) == 60
+
+
+def test_modelopt_to_compressed_tensors(tmp_path):
+    """The one direction the engine tests above leave out, statically: ModelOpt's F32
+    scales become bf16 ones rounded up (never below what ModelOpt measured), shape (1,),
+    under a kv_cache_scheme compressed-tensors itself parses."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = peers.materialize("modelopt-kv", tmp_path / "src")
+    out = tmp_path / "out"
+    result = run_kvcalib("convert", src, "--to", "compressed-tensors", "--output", out)
+    assert result.returncode == 0, result.stderr
+    written = peers.raw_tensors(out / "kv_scales.safetensors")
+    for name, value in peers.scales("modelopt-kv").items():
+        dtype, shape, raw = written[name.replace(".k_proj.k_scale", ".k_scale").replace(
+            ".v_proj.v_scale", ".v_scale")]
+        got = float(peers.as_float(dtype, raw)[0])
+        assert (dtype, shape) == ("BF16", [1]) and value <= got < value * (1 + 2**-7)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(config)
+    assert (parsed.kv_cache_scheme.num_bits, parsed.kv_cache_scheme.strategy) == (8, "tensor")
+    assert verify_static(out, tmp_path)[0] == 0
