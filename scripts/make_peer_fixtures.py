@@ -1,11 +1,12 @@
 """Make tests/fixtures/peers/: what AMD Quark 0.13 and NVIDIA ModelOpt 0.47 really export
 for SmolLM2, calibrated on the same 16 texts `kvcalib run --dataset builtin` uses.
 
-Each export is written whole to --exports (about 150-270 MB each; the engine checks in
-tests/test_peer_engine.py can use them), then reduced to a fixture small enough to
-commit: config.json, hf_quant_config.json when the tool writes one, the KV scale
+Each export is written whole to --exports (150-270 MB each), then reduced to a fixture
+small enough to commit: config.json, hf_quant_config.json when the tool writes one, the KV scale
 tensors as the tool wrote them (scales.safetensors), and instead of the weights a
-manifest of every tensor of the export (name, dtype, shape, sha256 of its bytes).
+manifest of every tensor of the export (name, dtype, shape, sha256 of its bytes). The
+KV-only exports keep SmolLM2's weights bit for bit, so tests/peers.py rebuilds them
+exactly from the demo model (tests/test_peer_engine.py starts vLLM on them).
 
 The two packages cannot live in the project's environments (their pins conflict), so
 this runs in a scratch virtual environment outside the repository:
