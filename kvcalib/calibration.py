@@ -627,17 +627,35 @@ def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
                      weights: str = "copy") -> None:
     """Copy the input checkpoint into `out`, add the scales, and point config and index at them.
 
-    Weight files are copied, cloned or hard-linked (`weights`, see kvcalib.weights), except
-    that a file holding scale tensors of an earlier calibration is rewritten without them.
-    A lone model.safetensors becomes a one-shard file, because transformers ignores the
-    index when model.safetensors exists.
+    Weights are placed as `weights` says (copy, clone or hard link; see kvcalib.weights),
+    except that scale tensors of an earlier calibration are dropped (see copy_weights).
     """
     from safetensors.torch import save_file
 
+    weight_map = copy_weights(out, model_dir, weights=weights)
+    save_file({k: v.contiguous() for k, v in scales.items()}, out / SCALES_FILE,
+              metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(scales, SCALES_FILE))
+    write_index(out, weight_map)
+    write_config(out, model_dir, quant_config)
+    (out / "recipe.yaml").write_text(recipe_yaml)
+
+
+def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
+                 weights: str = "copy") -> dict[str, str]:
+    """Copy every file of `model_dir` but its config, index and calibration outputs (and
+    `leave_out`) into `out`; return the weight map of the copied tensors.
+
+    Weight files are placed as `weights` says, byte for byte; a file that holds KV scale
+    tensors is rewritten without them. A lone
+    model.safetensors becomes a one-shard file, because transformers ignores the index
+    when model.safetensors exists.
+    """
     files = checkpoint.weight_files(model_dir)
     for item in model_dir.iterdir():
         if item.suffix == ".safetensors" or item.name in (checkpoint.INDEX_NAME, REPORT_FILE,
-                                                          "recipe.yaml", "config.json"):
+                                                          "recipe.yaml", "config.json",
+                                                          *leave_out):
             continue
         copy = shutil.copytree if item.is_dir() else shutil.copyfile
         copy(item, out / item.name)
@@ -653,17 +671,21 @@ def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
         else:
             weight_files.place(model_dir / src, out / name, weights)
         weight_map.update({t: name for t in tensors if t not in old_scales})
-    save_file({k: v.contiguous() for k, v in scales.items()}, out / SCALES_FILE,
-              metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(scales, SCALES_FILE))
+    return weight_map
+
+
+def write_index(out: Path, weight_map: dict[str, str]) -> None:
     total = sum((out / f).stat().st_size for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total},
              "weight_map": dict(sorted(weight_map.items()))}
     (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_config(out: Path, model_dir: Path, quant_config: dict[str, Any]) -> None:
+    """The input's config.json with `quant_config` as its quantization_config."""
     config = checkpoint.load_config(model_dir)
     config["quantization_config"] = quant_config
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "recipe.yaml").write_text(recipe_yaml)
 
 
 def _versions() -> dict[str, str]:

@@ -363,26 +363,44 @@ def copy_tensors(folder: Path, name: str, dst: Path, drop: set[str]) -> None:
     """Write `folder/name` to `dst` without the tensors in `drop`; every kept tensor's bytes
     are unchanged."""
     tensors, metadata = read_header(folder, name)
-    kept = {k: v for k, v in tensors.items() if k not in drop}
-    new_header: dict[str, Any] = {}
-    if metadata is not None:
-        new_header["__metadata__"] = metadata
-    offset = 0
-    for key, info in sorted(kept.items(), key=lambda kv: kv[1].start):
-        new_header[key] = {"dtype": info.dtype, "shape": list(info.shape),
-                            "data_offsets": [offset, offset + info.end - info.start]}
-        offset += info.end - info.start
-    blob = json.dumps(new_header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned, as safetensors does
+    kept = sorted((v for k, v in tensors.items() if k not in drop), key=lambda i: i.start)
     with open_file(folder, name) as fin, open(dst, "wb") as fout:
-        fout.write(struct.pack("<Q", len(blob)) + blob)
-        for info in sorted(kept.values(), key=lambda i: i.start):
+        fout.write(safetensors_header([(i.name, i.dtype, i.shape, i.end - i.start)
+                                       for i in kept], metadata))
+        for info in kept:
             fin.seek(info.start)
             remaining = info.end - info.start
             while remaining:
                 chunk = fin.read(min(remaining, 64 * 2**20))
                 fout.write(chunk)
                 remaining -= len(chunk)
+
+
+def write_tensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
+    """A safetensors file of name -> (dtype, shape, little-endian bytes); numpy, which
+    safetensors.numpy goes through, has no bfloat16."""
+    with open(path, "wb") as f:
+        f.write(safetensors_header([(name, dtype, shape, len(raw))
+                                    for name, (dtype, shape, raw) in tensors.items()],
+                                   {"format": "pt"}))
+        for _, _, raw in tensors.values():
+            f.write(raw)
+
+
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...], int]],
+                       metadata: dict[str, str] | None) -> bytes:
+    """The length-prefixed header of (name, dtype, shape, bytes) laid out in this order."""
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape, size in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(blob)) + blob
 
 
 # ----- writing outputs ----- #

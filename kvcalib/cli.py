@@ -405,6 +405,27 @@ def inspect_scales(
     _output(json_path, result.to_dict(), summary(result, heads=heads))
 
 
+@app.command()
+def convert(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="The checkpoint folder: compressed-tensors, ModelOpt or Quark KV scales, "
+             "weights not quantized.")],
+    to: Annotated[str, typer.Option(
+        "--to", help="Format to write: compressed-tensors, modelopt or quark.")],
+    output: Annotated[Path, typer.Option(help="Folder for the converted checkpoint.")],
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace a non-empty --output (only once the new checkpoint is complete).")] = False,
+    json_path: JsonOut = None,
+) -> None:
+    """Rewrite a checkpoint's FP8 KV scales and quantization config in another format that
+    vLLM loads; every other tensor is copied byte for byte."""
+    from kvcalib.conversion import convert as run_convert
+    from kvcalib.conversion import summary
+
+    result = run_convert(checkpoint, to, output, overwrite=overwrite)
+    _output(json_path, result.to_dict(), summary(result))
+
+
 @app.command("demo-model")
 def demo_model(
     dest: Annotated[Path | None, typer.Option(

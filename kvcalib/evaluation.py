@@ -116,14 +116,22 @@ def scales_of(found: StaticScales) -> dict[int, dict[str, Any]]:
     return scales
 
 
-def load_scales(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
-    """Scales of another checkpoint of the same model, or a .safetensors file of scales,
-    validated exactly as `verify` validates a checkpoint's."""
+def load_scales(path: Path, like: StaticScales,
+                notes: list[str]) -> tuple[dict[int, dict[str, Any]], str]:
+    """Scales of another checkpoint of the same model in any layout verify reads, or a
+    .safetensors file of scales, validated as `verify` validates a checkpoint's, and that
+    checkpoint's layout. Whether vLLM would load that checkpoint (its scheme check) is
+    not what eval compares; where its scales were measured goes to `notes`."""
     if path.is_file():
         checks, found = _scales_file(path, like)
     else:
         checks, found = static_checks(path)
-    problems = [c.message for c in checks if c.status == FAIL]
+        if found.scheme is None:
+            why = next((c.message for c in checks if c.status == FAIL), "")
+            raise UsageError(f"--compare {path}: no KV scales to compare: {why}")
+    notes += [f"--compare {path.name}: {c.message}" for c in checks
+              if c.group == "measurement" and c.status == WARN]
+    problems = [c.message for c in checks if c.status == FAIL and c.group != "scheme"]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise UsageError(f"--compare {path}: its KV scales do not pass verify: "
@@ -135,7 +143,7 @@ def load_scales(path: Path, like: StaticScales) -> dict[int, dict[str, Any]]:
                          f"({len(theirs.attention_layers)} attention layers, {theirs.num_kv_heads}"
                          f" KV heads; this model has {len(mine.attention_layers)} and "
                          f"{mine.num_kv_heads})")
-    return scales_of(found)
+    return scales_of(found), found.scheme.layout
 
 
 def _scales_file(path: Path, like: StaticScales) -> tuple[list[Check], StaticScales]:
@@ -405,7 +413,8 @@ def evaluate(
     sims[SCALE_ONE] = fp8({})
     sims[E5M2] = fp8({}, "e5m2")
     if compare is not None:
-        sims[f"compare: {Path(compare).name} (e4m3)"] = fp8(load_scales(Path(compare), found))
+        scales, layout = load_scales(Path(compare), found, notes)
+        sims[f"compare: {Path(compare).name} ({layout}, e4m3)"] = fp8(scales)
     kivi_info = None
     if kivi and found.geometry and found.geometry.head_dim % kivi_group:
         raise UsageError(f"--kivi-group {kivi_group} must divide the head size "

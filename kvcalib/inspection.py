@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvcalib import verification
-from kvcalib.checks import FAIL
+from kvcalib.checks import FAIL, WARN
 from kvcalib.errors import UsageError
 from kvcalib.report import index_ranges, table
 from kvcalib.schema import REPORT_FILE, CalibrationReport, load_report
@@ -58,6 +58,7 @@ class Inspection:
     outliers: list[dict[str, Any]]  # layer, kind, head (None: per-tensor), scale, ratio, why
     calibration: dict[str, Any] | None  # from the report
     problems: list[str]  # failed static checks and report mismatches, shown alongside
+    notes: list[str] = field(default_factory=list)  # where the scales were measured
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,7 +89,9 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
         problems += _report_mismatches(report, found)
     result = Inspection(str(folder.resolve()), found.scheme.layout, found.scheme.strategy,
                         kinds, median, outlier_ratio, list(layers.values()), [],
-                        _calibration(report), problems)
+                        _calibration(report), problems,
+                        [c.message for c in checks if c.group == "measurement" and
+                         c.status == WARN])
     result.outliers = _outliers(result, found.dtypes)
     return result
 
@@ -188,6 +191,7 @@ def summary(result: Inspection, heads: bool = False) -> str:
     lines.append(f"Outliers (x median above {result.outlier_ratio:g} or below "
                  f"1/{result.outlier_ratio:g}) and clipping: "
                  f"{len(result.outliers) or 'none'}")
+    lines += [f"Note: {note}" for note in result.notes]
     lines += [f"Problem: {problem}" for problem in result.problems]
     return "\n".join(lines)
 

@@ -99,7 +99,29 @@ def static_checks(folder: Path) -> tuple[list[Check], StaticScales]:
                      tensor=name) for name in duplicates]
     if found.scheme is not None:
         checks += scale_checks(scales, found)
+        checks += measurement_notes(found)
     return checks, found
+
+
+def measurement_notes(found: StaticScales) -> list[Check]:
+    """Where a tool measured the scales, when it is not what the cache stores (warnings:
+    vLLM loads them all the same)."""
+    notes = []
+    if found.scheme is not None and found.scheme.pre_rope:
+        notes.append(Check("measurement", WARN, "keys were measured at k_proj's output, "
+                           "before RoPE (Quark's default, kv_cache_post_rope false): the k "
+                           "scale does not bound the post-RoPE keys the cache stores, which "
+                           "can be larger; calibrate after RoPE (kvcalib run, or Quark's "
+                           "kv_cache_post_rope)"))
+    pairs = [(found.values[(layer, "k")], found.values.get((layer, "v")))
+             for layer, kind in found.values if kind == "k"]
+    merged = len(pairs) > 1 and all(v is not None and np.array_equal(k, v) for k, v in pairs)
+    if merged and found.scheme is not None and found.scheme.layout == "quark":
+        notes.append(Check("measurement", WARN, f"k_scale equals v_scale in all {len(pairs)} "
+                           "layers: Quark merged k and v into one scale, max(k, v) (it does so "
+                           "for its kv_cache_group before RoPE), which is coarser than needed "
+                           "for the smaller of the two"))
+    return notes
 
 
 def _layers_check(shape: geometry.Geometry, tensors: dict[str, checkpoint.TensorInfo]) -> Check:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+import peers
 from conftest import run_kvcalib
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.errors import UsageError
@@ -166,13 +167,26 @@ def test_compare_with_another_models_scales_is_refused(smol_attn_head, tiny_mode
                  log=lambda _: None)
 
 
+def test_compare_with_a_peer_checkpoint_folder(smol_attn_head, tmp_path):
+    """A real Quark export (which vLLM 0.32 refuses to load) as --compare: its scales are
+    simulated all the same, the row names its folder and layout, and the notes say that
+    they were measured before RoPE and merged."""
+    quark = peers.materialize("quark-kv", tmp_path / "quark-kv")
+    result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96, compare=quark,
+                      log=lambda _: None)
+    compared = result.metrics["compare: quark-kv (quark, e4m3)"]
+    assert 0 < compared.mean_kl != result.metrics[CALIBRATED].mean_kl
+    notes = [n for n in result.notes if n.startswith("--compare quark-kv: ")]
+    assert len(notes) == 2 and "before RoPE" in notes[0] and "merged" in notes[1]
+
+
 def test_compare_with_a_scales_file(smol_attn_head, tmp_path):
     """Halved scales (a scales file): clipping appears, and is counted."""
     halved = {k: v / 2 for k, v in load_file(smol_attn_head / "kv_scales.safetensors").items()}
     save_file(halved, tmp_path / "halved.safetensors")
     result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96,
                       compare=tmp_path / "halved.safetensors", log=lambda _: None)
-    compared = result.metrics["compare: halved.safetensors (e4m3)"]
+    compared = result.metrics["compare: halved.safetensors (scales file, e4m3)"]
     assert compared.clipped["k"] > 0.005 > result.metrics[CALIBRATED].clipped["k"]
     save_file({"model.layers.0.self_attn.k_scale": halved["model.layers.0.self_attn.k_scale"]},
               tmp_path / "one.safetensors")

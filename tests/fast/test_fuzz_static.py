@@ -51,7 +51,9 @@ def mostly(valid: st.SearchStrategy, hostile: st.SearchStrategy = anything) -> s
 FP8_MAX = 448.0
 SCALE_NAMES = {"compressed-tensors": "model.layers.{layer}.self_attn.{kind}_scale",
                "fp8": "model.layers.{layer}.self_attn.{kind}_scale",
-               "modelopt": "model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale"}
+               "modelopt": "model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale",
+               "quark": "model.layers.{layer}.self_attn.{kind}_proj.output_scale"}
+QUARK_KV = {"output_tensors": {"dtype": "fp8_e4m3", "qscheme": "per_tensor"}}
 NUMPY = {"F32": "<f4", "F16": "<f2"}
 
 
@@ -65,7 +67,11 @@ def valid_checkpoints(draw: st.DrawFn) -> dict:
         layout == "compressed-tensors") else "tensor"
     with_q = layout == "compressed-tensors" and draw(st.booleans())
     quant = {"fp8": {"quant_method": "fp8"},
-             "modelopt": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"},
+             "modelopt": {"quant_method": "modelopt", "quant_algo": "FP8",
+                          "kv_cache_scheme": {"type": "float", "num_bits": 8}},
+             "quark": {"quant_method": "quark", "kv_cache_post_rope": True,
+                       "export": {"kv_cache_group": ["*k_proj", "*v_proj"]},
+                       "layer_quant_config": {"*k_proj": QUARK_KV, "*v_proj": QUARK_KV}},
              "compressed-tensors": {
                  "quant_method": "compressed-tensors", "format": "dense",
                  "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True,

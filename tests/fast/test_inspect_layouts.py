@@ -22,7 +22,8 @@ def test_modelopt_hybrid_checkpoint(tmp_path):
               "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(
-        {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+        {"producer": {"name": "modelopt"},
+         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     k = {1: 0.02, 3: 0.021, 5: 0.019, 7: 0.1, 9: 0.02}
     tensors = {"model.embed_tokens.weight": np.zeros((8, 64), dtype=np.float32)}
     for layer, value in k.items():
@@ -32,6 +33,7 @@ def test_modelopt_hybrid_checkpoint(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     report = inspect_json(tmp_path)
     assert report["layout"] == "modelopt" and report["strategy"] == "tensor"
+    assert report["problems"] == []
     assert [layer["layer"] for layer in report["layers"]] == [1, 3, 5, 7, 9]
     stored = {layer: float(np.float32(value)) for layer, value in k.items()}
     median = float(np.float32(0.02))

@@ -31,8 +31,15 @@ def test_modelopt_and_fp8_layouts(tmp_path):
     ckpt = _fake_checkpoint(tmp_path / "modelopt", {"quant_method": "modelopt",
                                                     "kv_cache_quant_algo": "FP8"}, modelopt)
     code, report, stdout = verify_static(ckpt, tmp_path)
-    assert code == 0, stdout
     assert report["scheme"]["layout"] == "modelopt"
+    assert code == 1 and failures(report) == [  # vLLM 0.32 refuses it
+        "config.json has no quant_algo: vLLM 0.32 refuses the checkpoint (\"Missing "
+        "'quant_algo' in quantization config\"); ModelOpt leaves it out when it quantizes "
+        "only the KV cache"]
+    ckpt = _fake_checkpoint(tmp_path / "modelopt-fp8", {
+        "quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, modelopt)
+    code, report, stdout = verify_static(ckpt, tmp_path)
+    assert code == 0, stdout
     fp8 = {f"model.layers.{i}.self_attn.{k}_scale": scale() for i in (0, 1) for k in "kv"}
     del fp8["model.layers.1.self_attn.v_scale"]
     ckpt = _fake_checkpoint(tmp_path / "fp8", {"quant_method": "fp8"}, fp8)

@@ -1,0 +1,196 @@
+"""`kvcalib convert`: give a checkpoint's FP8 KV scales another format's tensor names and
+config, for teams that calibrate with one tool and serve another format.
+
+- Every tensor but the KV scales is copied byte for byte (calibration.copy_weights); the
+  scales are written anew, in the target's names, shapes and dtype, in their own file.
+- quantization_config becomes a KV-only config of the target format, written as vLLM
+  0.32's loader for it needs (kvcalib/layouts.py), which is not always what the tool
+  itself writes: ModelOpt 0.47 leaves quant_algo out of KV-only exports, and Quark 0.13's
+  KV-only exports keep the KV config where vLLM does not read it.
+- Only checkpoints with unquantized weights: one quantization_config describes weights and
+  KV cache in one format, and convert does not touch the weights.
+- A per-head scale, in a format that has per-tensor scales only (ModelOpt, Quark), becomes
+  the largest head's, which bounds every head. A scale stored in a narrower dtype is
+  rounded up, so that it still covers the absmax it was measured for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcalib import calibration, checkpoint, layouts, verification
+from kvcalib.checks import FAIL
+from kvcalib.errors import UsageError
+from kvcalib.schema import REPORT_FILE
+
+TARGETS = tuple(layouts.SCALE_NAMES)
+# The dtype each format's own tool stores KV scales in ("model": the model's dtype).
+SCALE_DTYPES = {"compressed-tensors": "model", "modelopt": "F32", "quark": "model"}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+FP8_KV = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False,
+          "symmetric": True, "ch_axis": None, "group_size": None, "round_method": "half_even",
+          "scale_type": "float", "observer_cls": "PerTensorMinMaxObserver"}
+NO_QUANTIZATION = {"weight": None, "input_tensors": None, "output_tensors": None,
+                   "bias": None, "target_device": None}
+
+
+@dataclass
+class Conversion:
+    source: str
+    output: str
+    source_layout: str
+    target_layout: str
+    strategy: str  # of the written scales
+    scales: dict[str, list[float]]  # tensor name -> values written
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def convert(source: str | Path, to: str, output: str | Path,
+            overwrite: bool = False) -> Conversion:
+    """Write `source` with its KV scales in format `to` to `output` (atomically)."""
+    if to not in TARGETS:
+        raise UsageError(f"unknown format {to!r}; convert writes {', '.join(TARGETS)}")
+    folder = Path(source)
+    checks, found = verification.static_checks(folder)  # a missing folder is a UsageError
+    scheme, tensors = _convertible(folder, checks, found, to)
+    target = checkpoint.check_output_target(Path(output), folder, overwrite)
+    notes = [c.message for c in verification.measurement_notes(found)]
+    strategy = scheme.strategy if to == "compressed-tensors" else "tensor"
+    if strategy != scheme.strategy:
+        notes.append(f"{scheme.strategy} scales became per-tensor ones, the largest head's: "
+                     f"{to} has one scale per layer")
+    if scheme.quantizes_query:
+        notes.append("q scales were left out: kvcalib converts k and v scales only")
+    left_out = [name for name in (REPORT_FILE, "recipe.yaml") if (folder / name).exists()]
+    if left_out:
+        notes.append(f"{' and '.join(left_out)} (the source's calibration) were left out")
+    dtype = SCALE_DTYPES[to]
+    if dtype == "model":
+        dtype = SAFETENSORS_DTYPES.get(found.geometry.dtype, "F32")
+    scales = {name: (dtype, shape, _encode(values, dtype)) for name, (shape, values) in
+              _target_scales(found, tensors, to, strategy).items()}
+    with checkpoint.atomic_output_dir(target, overwrite) as tmp:
+        weight_map = calibration.copy_weights(tmp, folder, leave_out=(
+            layouts.MODELOPT_LEGACY_FILE,))
+        checkpoint.write_tensors(tmp / calibration.SCALES_FILE, scales)
+        weight_map.update(dict.fromkeys(scales, calibration.SCALES_FILE))
+        calibration.write_index(tmp, weight_map)
+        calibration.write_config(tmp, folder, _quantization_config(to, strategy, tensors))
+    return Conversion(str(folder.resolve()), str(target), scheme.layout, to, strategy,
+                      {name: _decode(raw, dtype).tolist()
+                       for name, (dtype, _, raw) in scales.items()}, notes)
+
+
+def _convertible(folder: Path, checks: list, found: verification.StaticScales, to: str,
+                 ) -> tuple[layouts.KvScheme, dict[str, checkpoint.TensorInfo]]:
+    """The source's scheme and tensors, once its KV scales are known readable and its
+    weights plain."""
+    failed = {c.group: c.message for c in reversed(checks) if c.status == FAIL}
+    for group in ("config", "weights", "layers"):
+        if group in failed:
+            raise UsageError(f"cannot convert {folder}: {failed[group]}")
+    scheme = found.scheme
+    if scheme is None:
+        reason = failed.get("scheme", "it declares no KV-cache quantization")
+        raise UsageError(f"{folder} has no KV scales to convert: {reason}")
+    if scheme.layout not in TARGETS:
+        raise UsageError(f"{folder} is a {scheme.layout} checkpoint; convert reads "
+                         f"{', '.join(TARGETS)}")
+    if scheme.layout == to:
+        raise UsageError(f"{folder} is already a {to} checkpoint")
+    if not scheme.fp8:
+        raise UsageError(f"{folder} declares a KV cache other than FP8 E4M3 "
+                         f"({scheme.declared}); convert moves FP8 scales only")
+    if "scales" in failed:
+        raise UsageError(f"{folder}: its KV scales do not pass verify: {failed['scales']}")
+    tensors = checkpoint.tensor_index(folder)
+    quantized = layouts.quantized_weights(tensors)
+    if quantized:
+        raise UsageError(f"{folder} has quantized weights (e.g. {quantized[0]}); one "
+                         "quantization_config describes weights and KV cache in one format, "
+                         "and convert rewrites only the KV part, so it converts checkpoints "
+                         "whose weights are not quantized")
+    return scheme, tensors
+
+
+def _target_scales(found: verification.StaticScales, tensors: dict[str, checkpoint.TensorInfo],
+                   to: str, strategy: str) -> dict[str, tuple[tuple[int, ...], np.ndarray]]:
+    """name -> (shape, values) of every k and v scale in the target's naming."""
+    modules = {scale.layer: scale.module for scale in layouts.find_scales(tensors)[0]}
+    scales = {}
+    for (layer, kind), values in sorted(found.values.items()):
+        if kind not in ("k", "v"):
+            continue
+        name = layouts.SCALE_NAMES[to].format(module=modules[layer], kind=kind)
+        if strategy == "attn_head":
+            scales[name] = ((values.size, 1, 1), values)
+        else:
+            shape = (1,) if to == "compressed-tensors" else ()
+            scales[name] = (shape, np.array([values.max()]))
+    return scales
+
+
+def _encode(values: np.ndarray, dtype: str) -> bytes:
+    """Little-endian bytes of positive `values` in `dtype`, each rounded up to the next
+    representable value when it is not exact."""
+    if dtype == "BF16":
+        bits = np.asarray(values, dtype="<f4").view("<u4")
+        high = (bits >> 16).astype("<u2")
+        high += _decode(high.tobytes(), "BF16") < values
+        return high.tobytes()
+    numpy_dtype = {"F32": "<f4", "F16": "<f2"}[dtype]
+    stored = np.asarray(values, dtype=numpy_dtype)
+    stored = np.where(stored < values, np.nextafter(stored, np.inf, dtype=numpy_dtype), stored)
+    return stored.astype(numpy_dtype).tobytes()
+
+
+def _decode(raw: bytes, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4").astype(np.float64)
+    return np.frombuffer(raw, {"F32": "<f4", "F16": "<f2"}[dtype]).astype(np.float64)
+
+
+def _quantization_config(to: str, strategy: str,
+                         tensors: dict[str, checkpoint.TensorInfo]) -> dict[str, Any]:
+    """A KV-only quantization_config of format `to`, as vLLM 0.32 loads it."""
+    if to == "compressed-tensors":
+        import compressed_tensors
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+        # Quark and ModelOpt both keep the running absmax, as static_minmax does.
+        config = QuantizationConfig(
+            config_groups={}, format="dense", quantization_status=QuantizationStatus.COMPRESSED,
+            kv_cache_scheme=calibration.kv_quantization_args(strategy, "static_minmax"))
+        return {**config.model_dump(mode="json"), "version": compressed_tensors.__version__}
+    if to == "modelopt":
+        # vLLM refuses a ModelOpt config without quant_algo (ModelOpt's own KV-only export):
+        # FP8 with every module excluded is its way to say "weights not quantized".
+        return {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["*"],
+                "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}
+    # Quark: vLLM needs the KV output_tensors in layer_quant_config, and every linear layer
+    # excluded (it has no scheme for unquantized ones); the scales were taken after RoPE.
+    linear = sorted({name.removesuffix(".weight") for name, info in tensors.items()
+                     if name.endswith(".weight") and len(info.shape) == 2} | {"lm_head"})
+    kv_layer = {**NO_QUANTIZATION, "output_tensors": FP8_KV}
+    return {"quant_method": "quark", "global_quant_config": NO_QUANTIZATION,
+            "layer_quant_config": {"*k_proj": kv_layer, "*v_proj": kv_layer},
+            "layer_type_quant_config": {}, "exclude": linear, "algo_config": None,
+            "softmax_quant_spec": None, "quant_mode": "eager_mode", "kv_cache_post_rope": True,
+            "export": {"kv_cache_group": ["*k_proj", "*v_proj"], "min_kv_scale": 0.0,
+                       "pack_method": "reorder", "weight_format": "real_quantized",
+                       "weight_merge_groups": None}}
+
+
+def summary(result: Conversion) -> str:
+    values = [max(v) for v in result.scales.values()]
+    lines = [f"Converted {result.source} ({result.source_layout}) to {result.target_layout}: "
+             f"{len(result.scales)} {result.strategy} scales "
+             f"({min(values):.4g}..{max(values):.4g})", f"Checkpoint: {result.output}"]
+    return "\n".join(lines + [f"Note: {note}" for note in result.notes])
