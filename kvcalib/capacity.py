@@ -31,6 +31,10 @@ Formats:
   Its bytes per token is the long-context rate C/2 + 4C/G + 4·H_kv·⌈d/G⌉ per layer. KIVI
   quantizes K and V heads, so it does not apply to MLA's latent (n/a). Skipped layers stay
   16-bit.
+- any other vLLM 0.32.0 `--kv-cache-dtype` (kvcalib.kvformats.FORMATS), on request: its page
+  bytes per token and layer as the backend's customize_spec counts them (inline scales,
+  slots rounded to even bytes), 16-bit for skipped layers and for the boundary layers
+  turboquant_* and ultraquant_4bit keep; n/a with the reason where vLLM refuses the model.
 
 With a budget:
 - tokens that fit: the budget over the bytes per token with every attention layer full
@@ -51,7 +55,7 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
-from kvcalib import geometry
+from kvcalib import geometry, kvformats
 from kvcalib.errors import UsageError
 from kvcalib.report import index_ranges, table
 
@@ -147,10 +151,12 @@ def from_config(
     block_size: int = DEFAULT_BLOCK_SIZE,
     kivi: Kivi | None = None,
     skip_layers: list[str] | None = None,
+    formats: list[str] | None = None,
 ) -> Estimate:
     """KV bytes per format for `batch` requests of `context_length` tokens (default: the
     model's maximum length) and, given a budget (bytes, or a string for parse_budget), what
-    fits in it."""
+    fits in it. `formats`: the model dtype, fp8 and kivi2 unless given; any name in
+    kvcalib.kvformats.FORMATS (auto is the model dtype), kivi2, or "all"."""
     kivi = kivi or Kivi()
     for name, value, least in (("context length", context_length, 1), ("batch", batch, 1),
                                ("block size", block_size, 1),
@@ -185,8 +191,21 @@ def from_config(
         excluded_layers=[{"index": layer.index, "block_type": layer.block_type}
                          for layer in shape.layers if layer.kind == geometry.NONE],
         skip_layers=sorted(skipped), defaults=defaults)
-    result.formats = [_format(name, shape, result, skipped) for name in (dtype, "fp8", "kivi2")]
+    names = _format_names(formats, dtype)
+    result.formats = [_format(name, shape, result, skipped) for name in names]
     return result
+
+
+def _format_names(formats: list[str] | None, dtype: str) -> list[str]:
+    if formats is None:
+        return [dtype, "fp8", "kivi2"]
+    if formats == ["all"]:
+        return [dtype, *(name for name in kvformats.FORMATS if name != "auto"), "kivi2"]
+    valid = [*kvformats.FORMATS, "kivi2", dtype]
+    unknown = [name for name in formats if name not in valid]
+    if unknown:
+        raise UsageError(f"unknown format {unknown[0]!r}; valid: all, {', '.join(valid[:-1])}")
+    return [dtype if name == "auto" else name for name in formats]
 
 
 def _read_config(config: dict[str, Any], need_length: bool
@@ -274,30 +293,50 @@ def _format(name: str, shape: geometry.Geometry, result: Estimate,
     if name == "kivi2" and shape.mla_latent_dim is not None:
         return FormatEstimate(name, None, None, None, note="n/a: KIVI quantizes K and V "
                               "heads; MLA caches a latent")
+    vllm = kvformats.FORMATS.get(name) if name not in (result.dtype, "fp8", "kivi2") else None
+    kept: set[int] = set()
+    if vllm is not None:
+        kv_geometry = kvformats.Geometry(shape.num_kv_heads, shape.head_dim, result.dtype,
+                                         mla=shape.mla_latent_dim is not None)
+        reason = vllm.unsupported(kv_geometry)
+        if reason:
+            return FormatEstimate(name, None, None, None, note=f"n/a: {reason}")
+        hybrid = any(layer.kind == geometry.NONE and layer.block_type not in ("mlp", "moe")
+                     for layer in shape.layers)
+        kept = set(vllm.kept_layers(shape.num_layers, hybrid))
+        if not vllm.fp8:  # fp8 aliases: 1 byte per element below, as fp8
+            quantized_bytes = Fraction(vllm.bytes_per_token(kv_geometry))
     full_view = Fraction(0)
     request = 0
     for layer in shape.layers:
         if layer.kind == geometry.NONE:
             continue
         tokens = min(result.context_length, layer.window or result.context_length)
-        if name == result.dtype or layer.index in skipped:
+        if name == result.dtype or layer.index in skipped | kept:
             full_view += elements * BYTES_16BIT
             request += tokens * elements * BYTES_16BIT
-        elif name == "fp8":
+        elif name == "fp8" or (vllm is not None and vllm.fp8):
             full_view += elements
             request += tokens * elements
+        elif vllm is not None:
+            full_view += quantized_bytes
+            request += tokens * quantized_bytes
         else:
             full_view += _kivi_rate(shape, result.kivi)
             request += kivi_layer_bytes(tokens, shape.num_kv_heads, shape.head_dim, result.kivi)
     notes = {"fp8": "1 byte per latent element" if shape.mla_latent_dim else "",
              "kivi2": f"2-bit, groups of {result.kivi.group_size}, last "
                       f"{result.kivi.residual} tokens 16-bit; bytes/token at long context"}
-    estimate = FormatEstimate(name, float(full_view), request, request * result.batch,
-                              note=notes.get(name, ""))
+    note = notes.get(name, "")
+    if kept:
+        note = (f"keeps layers {index_ranges(sorted(kept))} in {result.dtype} (vLLM's "
+                "boundary layers)")
+    estimate = FormatEstimate(name, float(full_view), int(request), int(request) * result.batch,
+                              note=note)
     if result.budget_bytes is not None:
         blocks = math.floor(result.budget_bytes / (result.block_size * full_view))
         estimate.tokens_fit = blocks * result.block_size
-        estimate.max_concurrency = result.budget_bytes // request
+        estimate.max_concurrency = result.budget_bytes // int(request)
     return estimate
 
 

@@ -2,8 +2,10 @@
 
 A custom attention function, registered with transformers, sees every layer's post-RoPE
 queries, keys and values - after the cache update, so during generation it sees what the
-cache holds - and replaces them with what an FP8 cache (or 2-bit KIVI) would give back,
-then calls the model's own attention implementation.
+cache holds - and replaces them with what an FP8 cache, one of vLLM's other KV formats
+(kvcalib.kvformats) or 2-bit KIVI would give back, then calls the model's own attention
+implementation. Every vLLM format quantizes each token on its own, so quantizing at
+attention time equals quantizing when the cache is written.
 
 FP8, per vLLM: x -> clamp(x / scale, +-max) -> fp8 -> x scale. Re-quantizing a value an
 FP8 cache already holds returns it unchanged, so quantizing at attention time equals
@@ -17,9 +19,13 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from kvcalib.kvformats import KVFormat
 
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 ROUNDINGS = ("nearest", "toward_zero")
@@ -80,10 +86,14 @@ def kivi_values(v: Tensor, group: int) -> Tensor:
 
 @dataclass
 class Simulation:
-    """What to do to each layer's cache: FP8 with given scales, or KIVI, or nothing.
+    """What to do to each layer's cache: FP8 with given scales, a vLLM KV format, or KIVI.
 
     scales: {layer: {"k"|"v"|"q": tensor}}, 1.0 where missing; `kinds` says which states
     are quantized (queries only for FP8 attention); layers missing from `layers` stay exact.
+    A `format` (kvcalib.kvformats.FORMATS) sets the math: its static FP8 formats take the FP8
+    path below (fmt, rounding, scales, kinds), the others their own quantizers. Queries at
+    positions below `exact_prefix` attend to exact K/V: vLLM's first prefill chunk does for
+    formats with `exact_first_chunk`; later tokens see the stored cache, prefix included.
     """
 
     mode: str = "fp8"  # "fp8" or "kivi"
@@ -96,6 +106,12 @@ class Simulation:
     kivi_residual: int = 128
     count_clipping: bool = True
     clip_counts: dict[str, list[int]] = field(default_factory=dict)
+    format: KVFormat | None = None
+    exact_prefix: int = 0
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format.fp8 is not None:
+            self.fmt = self.format.fp8
 
     def applies_to(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -120,6 +136,9 @@ def _simulated_attention(module, query, key, value, attention_mask, **kwargs):
     layer = _layer_of(module)
     if sim.mode == "kivi":
         return _kivi_attention(module, query, key, value, attention_mask, sim, **kwargs)
+    if sim.format is not None and sim.format.fp8 is None:
+        return _format_attention(module, query, key, value, attention_mask, sim, layer,
+                                 **kwargs)
     states_by_kind = {"k": key, "v": value, "q": query}
     out = {}
     for kind in sim.kinds:
@@ -132,6 +151,27 @@ def _simulated_attention(module, query, key, value, attention_mask, **kwargs):
             counts[1] += total
         out[kind] = fake_quantize(states, scale, sim.fmt, sim.rounding)
     return original(module, out.get("q", query), out["k"], out["v"], attention_mask, **kwargs)
+
+
+def _format_attention(module, query, key, value, attention_mask, sim: Simulation, layer: int,
+                      **kwargs):
+    """Attention over K/V (and Q) as the format's kernels read them; rows of queries below
+    `exact_prefix` come from attention over the exact states."""
+    fmt = sim.format
+    original = module._kvcalib_original_attention
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if k_len <= sim.exact_prefix:  # every query is in the exact prefix
+        return original(module, query, key, value, attention_mask, **kwargs)
+    k = fmt.quantize_k(key, sim.scale(layer, "k")).to(key.dtype)
+    v = fmt.quantize_v(value, sim.scale(layer, "v")).to(value.dtype)
+    q = fmt.quantize_q(query).to(query.dtype) if fmt.quantize_q else query
+    out, weights = original(module, q, k, v, attention_mask, **kwargs)
+    first = k_len - q_len  # the position of the first query
+    if first < sim.exact_prefix:
+        exact, _ = original(module, query, key, value, attention_mask, **kwargs)
+        rows = torch.arange(first, k_len, device=out.device) < sim.exact_prefix
+        out = torch.where(rows.view(1, -1, 1, 1), exact, out)  # out: (batch, q, heads, dim)
+    return out, weights
 
 
 def _repeat_kv(x: Tensor, times: int) -> Tensor:

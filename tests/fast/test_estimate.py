@@ -392,6 +392,79 @@ def test_bad_skip_layers(config, skip, message):
         capacity.from_config(config, skip_layers=[skip])
 
 
+# ----- every vLLM format ----- #
+
+PHI3_MINI = {  # microsoft/Phi-3-mini-4k-instruct: head_dim 3072 / 32 = 96, MHA
+    "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "intermediate_size": 8192,
+    "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "torch_dtype": "bfloat16",
+    "vocab_size": 32064,
+}
+
+
+def test_every_vllm_format_on_llama3_8b():
+    """Per layer, 8 KV heads of 128 dims, as vLLM's backends lay out a page:
+    per-token-head: 2·128 data bytes + two fp32 scales per head; int4 half the data;
+    turboquant: key (fp8 128 B, or ⌈128·bits/8⌉ + 2-byte norm) + value (⌈128·bits/8⌉ + 4),
+    rounded to even, per head, with layers 0, 1, 30 and 31 in bf16 (4,096 B each);
+    ultraquant: 64 code bytes + 4 scale bytes for K and for V; nvfp4: 2·8 slots of 64 + 8."""
+    budget = 80 * GiB
+    result, formats = _estimate(LLAMA3_8B, context_length=8192, budget=budget,
+                                formats=["all"])
+    bf16 = 2 * 8 * 128 * 2
+    per_layer = {"fp8_per_token_head": 8 * (256 + 8), "int8_per_token_head": 8 * (256 + 8),
+                 "int4_per_token_head": 8 * (128 + 8), "ultraquant_4bit": 8 * (2 * (64 + 4)),
+                 "nvfp4": 2 * 8 * (64 + 8), "nvfp4_4over6": 2 * 8 * (64 + 8),
+                 "turboquant_k8v4": 8 * (128 + 64 + 4), "turboquant_4bit_nc": 8 * (66 + 68),
+                 "turboquant_k3v4_nc": 8 * (50 + 68), "turboquant_3bit_nc": 8 * (50 + 52)}
+    assert [f.name for f in result.formats] == [
+        "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", *list(per_layer)[:3], "turboquant_k8v4",
+        "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
+        "nvfp4", "nvfp4_4over6", "kivi2"]
+    assert per_layer["turboquant_k3v4_nc"] == 944 and per_layer["ultraquant_4bit"] == 1088
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert formats[name].bytes_per_token == 32 * bf16 // 2
+    for name, size in per_layer.items():
+        kept = 4 if name.startswith(("turboquant", "ultraquant")) else 0
+        per_token = (32 - kept) * size + kept * bf16
+        assert formats[name].bytes_per_token == per_token, name
+        assert formats[name].request_bytes == 8192 * per_token
+        assert formats[name].tokens_fit == budget // (16 * per_token) * 16
+        assert ("keeps layers 0-1, 30-31 in bfloat16" in formats[name].note) == bool(kept)
+
+
+def test_formats_the_model_cannot_use_say_why():
+    _, formats = _estimate(PHI3_MINI, formats=["turboquant_k8v4", "turboquant_3bit_nc",
+                                               "ultraquant_4bit", "nvfp4", "int4_per_token_head"])
+    # k8v4 rotates nothing: 96 key bytes + 48 value bytes + fp16 scale and min, per head
+    per_layer, bf16 = 32 * (96 + 48 + 4), 2 * 32 * 96 * 2
+    assert formats["turboquant_k8v4"].bytes_per_token == 28 * per_layer + 4 * bf16
+    assert formats["turboquant_3bit_nc"].bytes_per_token is None
+    assert formats["turboquant_3bit_nc"].note == (
+        "n/a: turboquant's Hadamard rotation needs a power-of-2 head size (this model: 96)")
+    assert "power-of-2" in formats["ultraquant_4bit"].note
+    assert formats["nvfp4"].note == "n/a: FlashInfer has no NVFP4 kernels for head size 96"
+    assert formats["int4_per_token_head"].bytes_per_token == 32 * 32 * (96 + 8)
+    _, mla = _estimate(DEEPSEEK_V3, formats=["nvfp4", "fp8"])
+    assert mla["nvfp4"].note.startswith("n/a: nvfp4 is not an MLA cache format")
+    assert mla["fp8"].bytes_per_token == 61 * (512 + 64)
+    _, fp16 = _estimate(LLAMA2_7B, formats=["ultraquant_4bit"])
+    assert fp16["ultraquant_4bit"].note == "n/a: needs a bfloat16 model (this model: float16)"
+
+
+def test_skip_layers_add_to_the_boundary_layers():
+    _, formats = _estimate(LLAMA3_8B, context_length=1024, skip_layers=["5", "31"],
+                           formats=["turboquant_k3v4_nc", "nvfp4"])
+    bf16 = 2 * 8 * 128 * 2
+    assert formats["turboquant_k3v4_nc"].bytes_per_token == 27 * 944 + 5 * bf16
+    assert formats["nvfp4"].bytes_per_token == 30 * 1152 + 2 * bf16
+
+
+def test_unknown_format_lists_the_valid_ones():
+    with pytest.raises(UsageError, match="unknown format 'fp4'; valid: all, auto, fp8, "):
+        capacity.from_config(LLAMA3_8B, formats=["fp4"])
+
+
 # ----- budgets ----- #
 
 
