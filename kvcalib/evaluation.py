@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import checkpoint, corpus, data, engine, layouts, quantsim
+from kvcalib import checkpoint, corpus, data, engine, layouts, quantsim, stats
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
 from kvcalib.schema import CalibrationReport, load_report
@@ -46,6 +46,13 @@ class Metrics:
     ppl: float
     ppl_change: float  # relative to the reference perplexity
     clipped: dict[str, float] = field(default_factory=dict)  # fraction of elements, by k/v/q
+    # Per held-out sample: summed token KL and token count. mean_kl is their ratio of sums;
+    # the bootstrap resamples these pairs (kvcalib.stats).
+    kl_by_sample: list[tuple[float, int]] = field(default_factory=list)
+    mean_kl_ci: tuple[float, float] | None = None  # 95% bootstrap interval; None: 1 sample
+
+    def kl_pairs(self) -> np.ndarray:
+        return np.array(self.kl_by_sample, dtype=float).reshape(-1, 2)
 
 
 @dataclass
@@ -213,6 +220,7 @@ def batches(samples: data.Samples, batch_size: int, pad_id: int) -> Iterator[tup
 @dataclass
 class _Tally:
     kl: list[Any] = field(default_factory=list)
+    kl_rows: list[tuple[float, int]] = field(default_factory=list)  # per sample: sum, tokens
     top1: list[Any] = field(default_factory=list)
     nll: list[Any] = field(default_factory=list)
 
@@ -239,7 +247,10 @@ def score(model, batch_list: list[tuple[Any, Any]],
                     out = torch.log_softmax(
                         model(tokens, attention_mask=mask).logits[:, :-1].float(), -1)
                 tally = tallies[name]
-                tally.kl.append((ref.exp() * (ref - out)).sum(-1)[valid])
+                token_kl = (ref.exp() * (ref - out)).sum(-1)
+                tally.kl.append(token_kl[valid])
+                tally.kl_rows += [(float(row[ok].double().sum()), int(ok.sum()))
+                                  for row, ok in zip(token_kl, valid, strict=True)]
                 tally.top1.append((out.argmax(-1) == ref_top)[valid])
                 tally.nll.append(-out.gather(-1, targets).squeeze(-1)[valid])
                 progress()
@@ -254,7 +265,8 @@ def score(model, batch_list: list[tuple[Any, Any]],
         results[name] = Metrics(
             mean_kl=float(kl.mean()), p99_kl=float(torch.quantile(kl, 0.99)),
             top1=float(torch.cat(tally.top1).float().mean()), ppl=ppl,
-            ppl_change=ppl / ref_ppl - 1, clipped=clipped)
+            ppl_change=ppl / ref_ppl - 1, clipped=clipped, kl_by_sample=tally.kl_rows,
+            mean_kl_ci=_kl_interval(tally.kl_rows))
     return ref_ppl, results
 
 
@@ -468,15 +480,36 @@ def evaluate(
     return result
 
 
+def _kl_interval(rows: list[tuple[float, int]]) -> tuple[float, float] | None:
+    """95% bootstrap interval of the token-weighted mean KL over samples."""
+    if len(rows) < 2:
+        return None
+    found = stats.bootstrap(np.array(rows, dtype=float), stats.ratio_of_sums)
+    return found.low, found.high
+
+
 def _verdict(metrics: dict[str, Metrics]) -> str:
-    """What calibration buys against scale 1.0, said plainly."""
-    ours, unit = metrics[CALIBRATED].mean_kl, metrics[SCALE_ONE].mean_kl
-    if ours * 10 <= unit:
-        return f"calibrated scales cut mean KL {unit / ours:.0f}x against scale 1.0"
-    if ours <= 0.9 * unit:
-        return f"calibrated scales lower mean KL by {1 - ours / unit:.0%} against scale 1.0"
-    return (f"calibration gains nothing measurable for this model: mean KL {ours:.4g} "
-            f"calibrated vs {unit:.4g} at scale 1.0")
+    """What calibration buys against scale 1.0, said plainly: a difference whose paired
+    95% interval over the samples includes zero is within noise, however large it looks."""
+    ours, unit = metrics[CALIBRATED], metrics[SCALE_ONE]
+    both = f"mean KL {ours.mean_kl:.4g} calibrated vs {unit.mean_kl:.4g} at scale 1.0"
+    if len(ours.kl_by_sample) < 2:
+        return f"{both}; one sample gives no interval: use more --num-samples to decide"
+    found = stats.paired_bootstrap(ours.kl_pairs(), unit.kl_pairs(), stats.ratio_of_sums)
+    gain = found.difference  # scale 1.0 minus calibrated
+    interval = (f"95% interval of the difference {gain.low:.3g} to {gain.high:.3g} over "
+                f"{found.samples} samples")
+    if found.within_noise:
+        needed = stats.samples_needed(found)
+        more = f"; about {needed} samples would tell them apart" if needed else ""
+        return f"calibration gains nothing measurable (within noise): {both} ({interval}{more})"
+    if gain.estimate < 0:
+        return f"calibrated scales are worse than scale 1.0: {both} ({interval})"
+    if ours.mean_kl * 10 <= unit.mean_kl:
+        cut = unit.mean_kl / ours.mean_kl
+        return f"calibrated scales cut mean KL {cut:.0f}x: {both} ({interval})"
+    return (f"calibrated scales lower mean KL by {1 - ours.mean_kl / unit.mean_kl:.0%}: {both} "
+            f"({interval})")
 
 
 def _kivi_bytes(ckpt: Path, group: int, residual: int, tokens: int) -> dict[str, Any]:

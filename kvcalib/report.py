@@ -119,10 +119,11 @@ def eval_summary(result) -> str:
     rows = []
     for name, m in result.metrics.items():
         clipped = [f"{m.clipped[k]:.3%}" if k in m.clipped else "-" for k in ("k", "v", "q")]
-        rows.append([name, f"{m.mean_kl:.5f}", f"{m.p99_kl:.4f}", f"{m.top1:.2%}",
+        interval = f"{m.mean_kl_ci[0]:.5f}-{m.mean_kl_ci[1]:.5f}" if m.mean_kl_ci else "-"
+        rows.append([name, f"{m.mean_kl:.5f}", interval, f"{m.p99_kl:.4f}", f"{m.top1:.2%}",
                      f"{m.ppl:.4f}", f"{m.ppl_change:+.2%}", *clipped])
-    lines.append(table(["configuration", "mean KL", "p99 KL", "top-1", "PPL", "PPL change",
-                        "clipped K", "clipped V", "clipped Q"], rows))
+    lines.append(table(["configuration", "mean KL", "95% interval", "p99 KL", "top-1", "PPL",
+                        "PPL change", "clipped K", "clipped V", "clipped Q"], rows))
     if result.verdict:
         lines.append(f"Verdict: {result.verdict}")
     if result.passkey:

@@ -78,7 +78,7 @@ def test_older_warning_wording_and_unloaded_scales():
     assert not facts.errors
 
 
-LOGS = Path(__file__).parent / "logs"
+LOGS = Path(__file__).parent.parent / "logs"  # real vLLM logs, shared with engine tests
 
 
 def test_root_cause_of_a_failed_start_is_the_workers_exception():
