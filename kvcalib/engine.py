@@ -26,6 +26,7 @@ import numpy as np
 
 from kvcalib.errors import UsageError
 from kvcalib.probe.vllm_probe import ANSWERED
+from kvcalib.schema import load_probe_answer
 
 PROBE = Path(__file__).resolve().parent / "probe" / "vllm_probe.py"
 ENV_PYTHON = "KVCALIB_VLLM_PYTHON"
@@ -242,7 +243,7 @@ def run_probe(python: str, model: Path, kv_cache_dtype: str, log_path: Path, *,
         answered = result_path.exists()  # counts even when shutting down took too long
         timed_out = timed_out and not answered
         if answered:
-            result = json.loads(result_path.read_text())
+            result = load_probe_answer(result_path.read_text())
         elif timed_out:
             result = {"started": False,
                       "error": f"vLLM did not answer within {timeout:g} s (--timeout)"}

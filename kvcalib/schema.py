@@ -7,11 +7,12 @@ from an unknown schema version) is one clear error, never a KeyError three modul
 
 from __future__ import annotations
 
+import json
 import reprlib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from kvcalib.checkpoint import CheckpointError, read_json
 
@@ -76,6 +77,14 @@ class ComputeInfo(_Record):
     checkpoint_dtype: str
 
 
+class ScaleConvergence(_Record):
+    """How one stored scale's running absmax grew over the samples (kvcalib.convergence)."""
+
+    steps: list[tuple[Annotated[int, Field(ge=1)], FiniteFloat]]  # sample, new running absmax
+    reached_at: Annotated[int, Field(ge=1)]
+    last_half_growth: FiniteFloat | None
+
+
 class LayerRecord(_Record):
     """One attention layer: its scales as saved and the absmax kvcalib's hooks saw, per head
     (a per-tensor scale is a list of one)."""
@@ -88,6 +97,51 @@ class LayerRecord(_Record):
     v_absmax: list[FiniteFloat]
     q_scale: list[FiniteFloat] | None = None
     q_absmax: list[FiniteFloat] | None = None
+    # Reports written before convergence was recorded have none.
+    k_convergence: list[ScaleConvergence] | None = None
+    v_convergence: list[ScaleConvergence] | None = None
+    q_convergence: list[ScaleConvergence] | None = None
+
+
+class RankShare(_Record):
+    rank: Count
+    samples: tuple[Count, Count]  # first and last, 1-based
+    rows: list[Count]
+
+
+class DistributedInfo(_Record):
+    world_size: Annotated[int, Field(ge=1)]
+    backend: str | None
+    ranks: list[RankShare]
+
+
+class MemoryInfo(_Record):
+    """Bytes one rank was planned to need and found free (kvcalib.memory)."""
+
+    weights: Count
+    activations: Count
+    needed: Count
+    free: Count
+    capped: bool
+
+
+class WeightsInfo(_Record):
+    requested: str
+    used: str
+    reason: str
+
+
+class ConvergenceFlag(_Record):
+    layer: Count
+    kind: Literal["k", "v", "q"]
+    last_half_growth: FiniteFloat
+    heads: list[Count] | None
+
+
+class ConvergenceInfo(_Record):
+    late_growth_threshold: FiniteFloat
+    flagged: list[ConvergenceFlag]
+    note: str
 
 
 class CalibrationReport(_Record):
@@ -102,9 +156,65 @@ class CalibrationReport(_Record):
     samples: SamplesInfo
     pipeline: PipelineInfo
     compute: ComputeInfo
+    # Recorded since distributed calibration; older reports lack them.
+    distributed: DistributedInfo | None = None
+    memory: MemoryInfo | None = None
+    weights: WeightsInfo | None = None
+    convergence: ConvergenceInfo | None = None
     versions: dict[str, str]
     timings_s: dict[str, FiniteFloat]
     layers: list[LayerRecord]
+
+
+class ReadScale(_Record):
+    """One attention layer's scales as vLLM's worker holds them after loading (NaN and
+    infinities are facts to report here, not invalid input)."""
+
+    kv_cache_dtype: str
+    k: list[float] | None = None
+    v: list[float] | None = None
+    q: list[float] | None = None
+    k_float: float | None = None
+    v_float: float | None = None
+    q_float: float | None = None
+
+
+class ProbeOutput(_Record):
+    text: str
+    token_ids: list[int]
+    prompt_logprobs: list[tuple[int, float, int]]  # token, its log-prob, the top-1 token
+
+
+class ProbeAnswer(_Record):
+    """What kvcalib/probe/vllm_probe.py answers from the serving environment."""
+
+    schema_version: int
+    started: StrictBool
+    error: str | None
+    vllm_version: str | None = None
+    platform: dict[str, str | bool] | None = None
+    start_seconds: float | None = None
+    scales: dict[str, ReadScale] | None = None
+    outputs: list[ProbeOutput] | None = None
+
+
+def load_probe_answer(text: str) -> dict[str, Any]:
+    """The probe's answer, validated; an answer that does not fit (another kvcalib's probe,
+    a truncated file) becomes an engine error that says so."""
+    from kvcalib.probe.vllm_probe import SCHEMA_VERSION
+
+    try:
+        data = json.loads(text)
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"schema version {reprlib.repr(version)}, this kvcalib reads "
+                             f"{SCHEMA_VERSION}")
+        return ProbeAnswer.model_validate(data).model_dump()
+    except ValidationError as exc:
+        why = describe(exc)
+    except ValueError as exc:  # JSONDecodeError included
+        why = str(exc)
+    return {"started": False, "error": f"the engine probe's answer is unreadable: {why}"}
 
 
 def load_report(folder: Path) -> CalibrationReport | None:

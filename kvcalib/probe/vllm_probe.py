@@ -26,6 +26,7 @@ import time
 import traceback
 
 ANSWERED = "kvcalib-probe: answer written; what follows is vLLM's shutdown"
+SCHEMA_VERSION = 1  # of the answer; kvcalib.schema.ProbeAnswer reads it
 SHUTDOWN_TIMEOUT_S = 60  # vLLM's own default (5 s) force-kills a worker still exiting
 
 
@@ -95,7 +96,7 @@ def main():
     request_path, result_path = sys.argv[1], sys.argv[2]
     with open(request_path) as f:
         request = json.load(f)
-    result = {"started": False, "error": None}
+    result = {"schema_version": SCHEMA_VERSION, "started": False, "error": None}
 
     def finish(code):
         tmp = result_path + ".tmp"
