@@ -42,6 +42,7 @@ import numpy as np
 from kvcalib import checkpoint, convergence, data, distributed, geometry, layouts, memory
 from kvcalib import weights as weight_files
 from kvcalib.errors import CheckFailed, UsageError
+from kvcalib.kvformats import E4M3_MAX
 from kvcalib.schema import REPORT_FILE, REPORT_SCHEMA_VERSION
 
 # llm-compressor logs INFO lines and a CPU warning per stage; keep its errors only,
@@ -52,7 +53,6 @@ STRATEGIES = ("tensor", "attn_head")
 OBSERVERS = ("static_minmax", "minmax", "mse")
 PIPELINES = ("auto", "basic", "sequential")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-FP8_E4M3_MAX = 448.0
 SCALES_FILE = "kv_scales.safetensors"
 # A measured absmax and its stored scale may differ by the rounding of the model dtype.
 SCALE_RTOL = 2**-7
@@ -154,7 +154,7 @@ def calibrate(
                       "architecture": (config.get("architectures") or ["?"])[0],
                       "model_type": config.get("model_type")},
             "scheme": {"num_bits": 8, "type": "float", "format": "float8_e4m3fn",
-                       "fp8_max": FP8_E4M3_MAX, "strategy": strategy, "q_scale": q_scale,
+                       "fp8_max": E4M3_MAX, "strategy": strategy, "q_scale": q_scale,
                        "observer": observer},
             "dataset": {**samples.dataset, "rows_used": samples.rows},
             "samples": {"requested": num_samples, "used": len(samples.token_ids),
@@ -597,7 +597,7 @@ def _collect_scales(scales: dict[str, Any], per_sample: dict[tuple[str, str], np
         if bool((seen == 0).any()):
             raise CheckFailed(f"{tensor_name}: every {kind} value seen was 0 (absmax per head "
                               f"{seen.tolist()}), so no scale can be measured; nothing was saved")
-        expected = (seen if scale.numel() > 1 else seen.max().reshape(1)) / FP8_E4M3_MAX
+        expected = (seen if scale.numel() > 1 else seen.max().reshape(1)) / E4M3_MAX
         if observer == "static_minmax" and not torch.allclose(scale, expected, rtol=SCALE_RTOL):
             raise CheckFailed(f"{tensor_name} is {scale.tolist()}, but the absmax seen gives "
                               f"{expected.tolist()}; nothing was saved")

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ def _setup() -> Ranks:
     compressed-tensors' `init_dist` picks the backend from the accelerator and needs
     one, so without a GPU kvcalib starts the gloo process group itself.
     """
+    if sys.modules.get("torch") is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Ranks()  # one process, and no group can exist yet: no need to load torch
     import torch
     import torch.distributed as dist
 

@@ -23,6 +23,7 @@ import numpy as np
 from kvcalib import verification
 from kvcalib.checks import FAIL, WARN
 from kvcalib.errors import UsageError
+from kvcalib.kvformats import E4M3_MAX
 from kvcalib.report import index_ranges, table
 from kvcalib.schema import REPORT_FILE, CalibrationReport, load_report
 
@@ -81,7 +82,7 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
     seen = _seen_absmax(report)
     layers: dict[int, LayerScales] = {}
     for (index, kind), values in sorted(found.values.items()):
-        scales = KindScales(values.tolist(), (values * verification.FP8_E4M3_MAX).tolist(),
+        scales = KindScales(values.tolist(), (values * E4M3_MAX).tolist(),
                             (values / median[kind]).tolist(), _per_value(seen, index, kind,
                                                                          values.size))
         layers.setdefault(index, LayerScales(index)).kinds[kind] = scales
@@ -170,7 +171,7 @@ def summary(result: Inspection, heads: bool = False) -> str:
              f"{'/'.join(result.kinds)} scales on {len(result.layers)} attention layers",
              _calibration_line(result.calibration),
              "Median layer: " + ", ".join(
-                 f"{k}_scale {m:.4g} (absmax {m * verification.FP8_E4M3_MAX:.4g})"
+                 f"{k}_scale {m:.4g} (absmax {m * E4M3_MAX:.4g})"
                  for k, m in result.median.items()), ""]
     headers = ["layer"]
     for kind in result.kinds:

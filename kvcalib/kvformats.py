@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 Quantizer = Callable[["Tensor", Any], "Tensor"]
 """(K or V of shape (..., head_dim), the layer's static scale) -> what attention reads."""
 
+E4M3_MAX = 448.0  # the largest finite FP8 E4M3 value: a static scale is absmax / E4M3_MAX
+E5M2_MAX = 57344.0
 ULTRAQUANT_GROUP = 32  # values per UE8M0 scale (ultraquant/format.py GROUP_SIZE)
 NVFP4_BLOCK = 16  # values per E4M3 block scale
 
-NVFP4_BLOCK_MAX = {"nvfp4": 448.0, "nvfp4_4over6": 256.0}
+NVFP4_BLOCK_MAX = {"nvfp4": E4M3_MAX, "nvfp4_4over6": 256.0}
 """E4M3 block-scale ceiling ModelOpt calibrates the NVFP4 global scale for: amax / (6 · 448),
 or amax / (6 · 256) with four-over-six, so that amax / 4 blocks still fit E4M3."""
 

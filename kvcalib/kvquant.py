@@ -21,9 +21,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from kvcalib.kvformats import NVFP4_BLOCK, ULTRAQUANT_GROUP
-
-E4M3_MAX = 448.0
+from kvcalib.kvformats import E4M3_MAX, NVFP4_BLOCK, ULTRAQUANT_GROUP
 
 
 def to_e4m3(x: Tensor) -> Tensor:

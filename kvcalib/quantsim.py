@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from kvcalib.kvformats import E4M3_MAX, E5M2_MAX
+
 if TYPE_CHECKING:
     from kvcalib.kvformats import KVFormat
 
-FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+FP8 = {"e4m3": (torch.float8_e4m3fn, E4M3_MAX), "e5m2": (torch.float8_e5m2, E5M2_MAX)}
 ROUNDINGS = ("nearest", "toward_zero")
 SIM_ATTENTION = "kvcalib_simulated_kv"
 

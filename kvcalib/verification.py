@@ -26,13 +26,13 @@ import numpy as np
 from kvcalib import checkpoint, corpus, engine, geometry, layouts
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import KvcalibError, UsageError
+from kvcalib.kvformats import E4M3_MAX
 from kvcalib.report import index_ranges
 
 # A scale times 448 is the largest |K|, |V| or |Q| it represents. Real activations stay
 # far inside these bounds; values outside are uninitialized memory or a unit mix-up.
 MIN_PLAUSIBLE_ABSMAX = 1e-6
 MAX_PLAUSIBLE_ABSMAX = 1e6
-FP8_E4M3_MAX = 448.0
 SMALLEST_NORMAL_FP32 = 2.0**-126  # smaller non-zero values are denormals (1e-39 and such)
 
 
@@ -223,7 +223,7 @@ def _value_check(layer: int, kind: str, info: checkpoint.TensorInfo,
         return fail(f"value {listed} is not positive", listed)
     if np.any(values < SMALLEST_NORMAL_FP32):
         return fail(f"value {listed} is a denormal: uninitialized memory, not a scale", listed)
-    absmax = values * FP8_E4M3_MAX
+    absmax = values * E4M3_MAX
     if np.any(absmax < MIN_PLAUSIBLE_ABSMAX) or np.any(absmax > MAX_PLAUSIBLE_ABSMAX):
         return fail(f"value {listed} means |{kind}| up to {absmax.max():.3g}, outside "
                     f"[{MIN_PLAUSIBLE_ABSMAX:g}, {MAX_PLAUSIBLE_ABSMAX:g}] that real "
