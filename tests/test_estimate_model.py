@@ -44,7 +44,7 @@ def test_cli_table_on_the_demo_model(demo_model):
 @pytest.mark.parametrize(("args", "message"), [
     (["--budget", "lots"], "Error: budget 'lots' is not a size"),
     (["--kv-cache-dtype-skip-layers", "0,99"], "skip layer 99 is not an attention layer"),
-    (["--context-length", "0"], "context length must be at least 1"),
+    (["--context-length", "0"], "Invalid value for '--context-length'"),
 ])
 def test_cli_bad_options(demo_model, args, message):
     assert_error(run_kvcalib("estimate", demo_model, *args), 2, message)

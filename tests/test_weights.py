@@ -55,7 +55,7 @@ def llama_70b(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["link", "reflink"])
 def test_output_step_writes_under_one_megabyte(mode, llama_70b, tmp_path):
-    files = checkpoint.weight_files(llama_70b)
+    files = [llama_70b / name for name in checkpoint.weight_files(llama_70b)]
     if mode == "reflink" and not _can_clone(tmp_path, files[-1]):
         return  # refused up front, as asserted in _can_clone
     quant = checkpoint.load_config(llama_70b)["quantization_config"]
