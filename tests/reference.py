@@ -87,7 +87,12 @@ def expected_scale(absmax: torch.Tensor, strategy: str, dtype: torch.dtype) -> t
 
 def saved_scales(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every *_scale tensor of a checkpoint, read with the safetensors library."""
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    index_file = ckpt / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())["weight_map"]
+    else:  # a lone model.safetensors, as save_pretrained writes small models
+        with safe_open(ckpt / "model.safetensors", "pt") as f:
+            index = dict.fromkeys(f.keys(), "model.safetensors")
     scales = {}
     for name, file in index.items():
         if name.endswith(("k_scale", "v_scale", "q_scale")):

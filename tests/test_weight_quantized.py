@@ -159,6 +159,20 @@ def test_scales_measured_on_the_quantized_weights(name, demo_model, quantized_in
         assert max(abs(r - 1) for r in ratios) > 0.05, ratios
 
 
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_memory_plan_counts_decompressed_weights(name, demo_model, quantized_inputs):
+    """Calibration holds the weights decompressed: as many bytes as the bf16 model's
+    (plus the weight scales), not the compressed file's."""
+    from kvcalib import memory
+
+    def weight_bytes(folder: Path) -> int:
+        config = json.loads((folder / "config.json").read_text())
+        return memory.estimate(folder, config, "bfloat16", 16, 1).weights
+
+    ratio = weight_bytes(quantized_inputs[name]) / weight_bytes(demo_model)
+    assert 1.0 <= ratio < 1.05, ratio
+
+
 @pytest.fixture(scope="session")
 def readback_dtype(fp8_kv_supported) -> str:
     return "fp8" if fp8_kv_supported else "bfloat16"
