@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -118,17 +119,16 @@ def _assert_kv_scheme(quant: dict) -> None:
         8, "float", "tensor", False, True)
 
 
-def _assert_scales_measured_on(model, ckpt: Path) -> dict:
-    """The saved scales are absmax/448 of K/V recomputed on `model`; returns that absmax."""
+def _scale_ratios(model, ckpt: Path) -> tuple[list[float], dict]:
+    """Each saved scale / (absmax / 448 of K/V recomputed on `model`), and that absmax."""
     report = _report(ckpt)
     reference = kv_absmax(None, sample_token_ids(ckpt), report["compute"]["dtype"], model)
     saved = saved_scales(ckpt)
     assert len(saved) == 2 * 30
-    for (layer, kind), absmax in reference.items():
-        want = expected_scale(absmax, "tensor", torch.bfloat16)
-        got = saved[f"model.layers.{layer}.self_attn.{kind}_scale"]
-        torch.testing.assert_close(got.flatten().float(), want.float(), rtol=2**-8, atol=0)
-    return reference
+    ratios = [float(saved[f"model.layers.{layer}.self_attn.{kind}_scale"].float().max()
+                    / expected_scale(absmax, "tensor", torch.bfloat16).float().max())
+              for (layer, kind), absmax in reference.items()]
+    return ratios, reference
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -151,7 +151,8 @@ def test_weights_copied_and_kv_scheme_added(name, quantized_inputs, calibrated):
 def test_scales_measured_on_the_quantized_weights(name, demo_model, quantized_inputs,
                                                   calibrated):
     model = dequantized_model(quantized_inputs[name], demo_model, "bfloat16")
-    on_quantized = _assert_scales_measured_on(model, calibrated[name])
+    ratios, on_quantized = _scale_ratios(model, calibrated[name])
+    assert max(abs(r - 1) for r in ratios) <= 2**-8, ratios
     if name == "W4A16":  # int4 weights move K/V far enough to tell the two models apart
         on_original = kv_absmax(demo_model, sample_token_ids(calibrated[name]), "bfloat16")
         ratios = [float(on_quantized[key].max() / on_original[key].max())
@@ -215,8 +216,12 @@ def test_one_pass_scheme(one_pass, demo_model):
         assert saved.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
     torch.testing.assert_close(scale.flatten().float(), row_max.amax(1) / 448, rtol=2**-7,
                                atol=0)
-    model = dequantized_model(one_pass, demo_model, "bfloat16")
-    _assert_scales_measured_on(model, one_pass)
+    # In the one pass llm-compressor also quantizes each Linear layer's input per token
+    # to FP8, as vLLM serves FP8_DYNAMIC; the reference has the quantized weights only.
+    # On SmolLM2 that moved single scales by -4.5% to +6.8%, the median not at all.
+    ratios, _ = _scale_ratios(dequantized_model(one_pass, demo_model, "bfloat16"), one_pass)
+    assert min(ratios) > 0.9 and max(ratios) < 1.1, ratios
+    assert abs(statistics.median(ratios) - 1) <= 2**-8, ratios
     code, report, _ = verify_static(one_pass, one_pass.parent)
     assert code == 0, report["checks"]
 
