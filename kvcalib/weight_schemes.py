@@ -74,6 +74,8 @@ def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
+    from kvcalib.schema import describe
+
     quant = config.get("quantization_config")
     if not quant:
         return None
@@ -82,10 +84,10 @@ def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any
         raise UsageError(f"{model_dir} is quantized with {method!r}, which kvcalib cannot "
                          f"calibrate; it runs {SUPPORTED}")
     try:
-        parsed = QuantizationConfig.model_validate(quant)
+        parsed = QuantizationConfig.model_validate({"config_groups": {}, **quant})
     except ValidationError as exc:
         raise UsageError(f"{model_dir}: its compressed-tensors quantization_config is not "
-                         f"valid: {str(exc).splitlines()[0]}") from None
+                         f"valid: {describe(exc)}") from None
     groups = {name: g for name, g in parsed.config_groups.items() if not isinstance(g, list)}
     if all(not g.weights and not g.output_activations for g in groups.values()):
         return None  # KV (and attention) only: recalibrated like an unquantized checkpoint
