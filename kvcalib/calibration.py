@@ -39,7 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import checkpoint, convergence, data, distributed, geometry, layouts, memory
+from kvcalib import (
+    checkpoint,
+    convergence,
+    data,
+    distributed,
+    geometry,
+    layouts,
+    memory,
+    weight_schemes,
+)
 from kvcalib import weights as weight_files
 from kvcalib.errors import CheckFailed, UsageError
 from kvcalib.kvformats import E4M3_MAX
@@ -92,24 +101,30 @@ def calibrate(
     pipeline: str = "auto",
     dtype: str = "auto",
     weights: str = "auto",
+    scheme: str | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] = _stderr,
 ) -> CalibrationResult:
     """Measure FP8 KV scales of `model` on `dataset` and write `output` atomically.
 
+    With `scheme` (a compressed-tensors preset) the weights are quantized in the same pass
+    and written compressed; without it the input's weight files are copied bit for bit.
     Under torchrun each rank calibrates its share of the samples; rank 0 alone writes,
     and every rank returns the same report once the checkpoint is in place.
     """
-    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
+    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len,
+                  scheme)
     dataset = dataset or data.DatasetSpec()
     started = time.perf_counter()
     with distributed.joined() as ranks:
         if not ranks.writer:
             log = _silent  # rank 0 speaks for the job
         checked = preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
-                            max_seq_len=max_seq_len, num_samples=num_samples, ranks=ranks)
+                            max_seq_len=max_seq_len, num_samples=num_samples, ranks=ranks,
+                            scheme=scheme)
         model_dir, config, compute, plan = (checked.model_dir, checked.config, checked.compute,
                                             checked.memory)
+        input_quant = checked.input_quantization
         log(f"Loading {model_dir}" + (f" on {ranks.world_size} ranks ({ranks.backend})"
                                       if ranks.world_size > 1 else ""))
         tokenizer = _load_tokenizer(model_dir)
@@ -123,19 +138,22 @@ def calibrate(
                 f"the scales depend on the number of ranks ({ranks.world_size}); "
                 "static_minmax takes their maximum and does not")
         torch_model = _load_model(model_dir, compute["dtype"],
-                                  plan.device if plan.pipeline == "basic" else "cpu")
+                                  plan.device if plan.pipeline == "basic" else "cpu",
+                                  weight_schemes.load_options(input_quant))
         attention = _attention_modules(torch_model, config)
+        if scheme is not None:
+            weight_schemes.check_fits(torch_model, scheme)
         load_s = time.perf_counter() - started
 
         log(f"Calibrating {len(attention)} attention layers on {len(samples.token_ids)} "
             f"samples ({samples.num_tokens} tokens), strategy {strategy}, observer {observer}, "
             f"pipeline {plan.pipeline} ({plan.reason}), {compute['dtype']} on {compute['device']}")
         attention_classes = _attention_classes(attention) if q_scale else None
-        modifier = build_modifier(strategy, observer, attention_classes)
+        modifier = build_modifier(strategy, observer, attention_classes, scheme)
         t0 = time.perf_counter()
         mine = [samples.token_ids[i] for i in shares[ranks.rank]]
         recorder = _run_oneshot(torch_model, tokenizer, modifier, mine, plan.pipeline,
-                                attention, q_scale)
+                                attention, q_scale, whole_model=scheme is not None)
         per_sample = _gather(recorder.per_sample(), ranks)
         calibrate_s = time.perf_counter() - t0
 
@@ -145,7 +163,14 @@ def calibrate(
         flagged = convergence.flagged(layers, kinds)
         if flagged:
             log(convergence.describe(flagged, len(layers) * len(kinds), len(samples.token_ids)))
-        quant_config = _quantization_config(torch_model)
+        quant_config = _quantization_config(torch_model, compressed=scheme is not None)
+        if input_quant is not None:
+            quant_config = weight_schemes.with_kv_scheme(input_quant, quant_config,
+                                                         attention_classes)
+        weight_quant = None
+        if scheme is not None or input_quant is not None:
+            weight_quant = weight_schemes.report(quant_config,
+                                                 "run" if scheme else "input", scheme)
         report = {
             "schema_version": REPORT_SCHEMA_VERSION,
             "kvcalib_version": metadata.version("kvcalib"),
@@ -168,6 +193,7 @@ def calibrate(
                        "capped": plan.free.capped},
             "weights": {"requested": weights, "used": checked.placement[0],
                         "reason": checked.placement[1]},
+            "weight_quantization": weight_quant,
             "convergence": {"late_growth_threshold": convergence.LATE_GROWTH,
                             "flagged": flagged, "note": convergence.FLAG_NOTE},
             "versions": _versions(),
@@ -178,8 +204,15 @@ def calibrate(
             t0 = time.perf_counter()
             log(f"Writing {checked.target}")
             with checkpoint.atomic_output_dir(checked.target, overwrite) as tmp:
-                write_checkpoint(tmp, model_dir, scales, quant_config, _recipe_yaml(modifier),
-                                 weights=checked.placement[0])
+                if scheme is None:
+                    write_checkpoint(tmp, model_dir, scales, quant_config,
+                                     _recipe_yaml(modifier), weights=checked.placement[0])
+                else:
+                    written = write_quantized_checkpoint(tmp, model_dir, torch_model, scales,
+                                                         compute["checkpoint_dtype"],
+                                                         _recipe_yaml(modifier))
+                    report["weight_quantization"] = weight_schemes.report(written, "run",
+                                                                          scheme)
                 report["timings_s"]["save"] = round(time.perf_counter() - t0, 3)
                 report["timings_s"]["total"] = round(time.perf_counter() - started, 3)
                 (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
@@ -192,8 +225,9 @@ def _silent(_message: str) -> None:
 
 
 def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
-                  num_samples: int, max_seq_len: int) -> None:
+                  num_samples: int, max_seq_len: int, scheme: str | None = None) -> None:
     """The option checks that need no files: before anything slow starts."""
+    weight_schemes.check_preset(scheme)
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("observer", observer, OBSERVERS)
     _check_choice("pipeline", pipeline, PIPELINES)
@@ -204,19 +238,20 @@ def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weigh
 
 def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: int, *,
                  strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
-                 num_samples: int, max_seq_len: int) -> None:
+                 num_samples: int, max_seq_len: int, scheme: str | None = None) -> None:
     """What `run --nproc-per-node` refuses once, before starting the ranks (each checks
     again). On GPUs the memory is left to each rank: asking a GPU here would create a CUDA
     context that holds memory for the whole job."""
     import torch
 
     distributed.check_nproc(nproc)
-    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len)
+    check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len,
+                  scheme)
     distributed.shares(num_samples, nproc)
     preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
               max_seq_len=max_seq_len, num_samples=num_samples,
               ranks=distributed.Ranks(world_size=nproc, local_world_size=nproc),
-              plan_memory=not torch.cuda.is_available())
+              plan_memory=not torch.cuda.is_available(), scheme=scheme)
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -234,11 +269,13 @@ class Preflight:
     placement: tuple[str, str]  # weights mode, and why
     compute: dict[str, str]
     memory: memory.Plan | None
+    input_quantization: dict[str, Any] | None  # the input's quantization_config with weights
 
 
 def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: str, *,
               dtype: str, pipeline: str, max_seq_len: int, num_samples: int,
-              ranks: distributed.Ranks, plan_memory: bool = True) -> Preflight:
+              ranks: distributed.Ranks, plan_memory: bool = True,
+              scheme: str | None = None) -> Preflight:
     """Check the model folder, the output target, how weights will be placed and whether
     the model fits, all before anything is loaded. Only the writer (rank 0) checks the
     output: on other nodes its folder need not exist."""
@@ -247,14 +284,22 @@ def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: s
     if ranks.writer:
         target = checkpoint.check_output_target(target, model_dir, overwrite)
     config = _check_causal_lm(model_dir)
+    input_quant = weight_schemes.input_quantization(model_dir, config)
+    if scheme is not None and input_quant is not None:
+        raise UsageError(f"--scheme quantizes the weights of an unquantized checkpoint, and "
+                         f"{model_dir} is already weight-quantized; leave out --scheme to "
+                         "add KV scales to it as it is")
     placement = (weights, "rank 0 writes")
-    if ranks.writer:
+    if scheme is not None:
+        placement = ("compressed", f"--scheme {scheme}: quantized and written by "
+                     "compressed-tensors")
+    elif ranks.writer:
         placement = weight_files.choose(weights, [model_dir / name for name in
                                                   checkpoint.weight_files(model_dir)],
                                         target.parent)
     compute = _compute_settings(model_dir, dtype)
     if not plan_memory:
-        return Preflight(model_dir, target, config, placement, compute, None)
+        return Preflight(model_dir, target, config, placement, compute, None, input_quant)
     device = _device(compute)
     per_rank = -(-num_samples // ranks.world_size)  # at most this many samples per rank
     plan = memory.plan(pipeline, memory.estimate(model_dir, config, compute["dtype"],
@@ -266,7 +311,7 @@ def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: s
                          "llm-compressor 0.14.0.1 onloads layers to cuda:<global rank> "
                          "(utils/dev.py get_main_device), a GPU the other nodes lack; "
                          "use --pipeline basic (the model must fit one GPU) or one node")
-    return Preflight(model_dir, target, config, placement, compute, plan)
+    return Preflight(model_dir, target, config, placement, compute, plan, input_quant)
 
 
 def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
@@ -284,10 +329,6 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{model_dir}: model type {config.get('model_type')!r} is not a "
                          "causal language model transformers can load")
-    quant = config.get("quantization_config")
-    if quant and not _is_kv_only(quant):
-        raise UsageError(f"{model_dir} is already quantized ({quant.get('quant_method')}); "
-                         "kvcalib calibrates unquantized checkpoints")
     try:
         checkpoint.weight_files(model_dir)
     except checkpoint.CheckpointError as exc:  # the input is unusable: not a failed check
@@ -304,14 +345,6 @@ def _load_tokenizer(model_dir: Path):
     except Exception as exc:  # transformers raises many types for a missing tokenizer
         first_line = next(iter(str(exc).splitlines()), type(exc).__name__)
         raise UsageError(f"cannot load the tokenizer of {model_dir}: {first_line}") from None
-
-
-def _is_kv_only(quant: dict[str, Any]) -> bool:
-    """A compressed-tensors config that only quantizes the KV cache (and attention)."""
-    groups = quant.get("config_groups") or {}
-    return quant.get("quant_method") == "compressed-tensors" and all(
-        not g.get("weights") and not g.get("output_activations") for g in groups.values()
-    )
 
 
 def _compute_settings(model_dir: Path, dtype: str) -> dict[str, str]:
@@ -336,16 +369,17 @@ def _device(compute: dict[str, str]) -> str:
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def _load_model(model_dir: Path, dtype: str, device: str):
+def _load_model(model_dir: Path, dtype: str, device: str, options: dict[str, Any]):
     """Load for calibration, on `device` (the sequential pipeline onloads from the CPU
-    itself). Eager attention: llm-compressor calibrates under it anyway."""
+    itself), with `options` for from_pretrained (weight_schemes.load_options). Eager
+    attention: llm-compressor calibrates under it anyway."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), attn_implementation="eager",
-            device_map=None if device == "cpu" else device,
+            device_map=None if device == "cpu" else device, **options,
         )
     except Exception as exc:  # transformers raises many types for unloadable models
         raise UsageError(f"cannot load {model_dir} as a causal LM: "
@@ -391,17 +425,20 @@ def kv_quantization_args(strategy: str, observer: str):
                             symmetric=True, observer=observer)
 
 
-def build_modifier(strategy: str, observer: str, attention_classes: list[str] | None):
-    """The llm-compressor modifier; with attention classes it also calibrates q_scale."""
+def build_modifier(strategy: str, observer: str, attention_classes: list[str] | None,
+                   scheme: str | None = None):
+    """The llm-compressor modifier; with attention classes it also calibrates q_scale, and
+    with a preset `scheme` it quantizes the weights of every Linear layer but lm_head."""
     from compressed_tensors.quantization import QuantizationScheme
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     args = kv_quantization_args(strategy, observer)
-    groups = None
+    groups = weight_schemes.preset_groups(scheme) if scheme else {}
     if attention_classes:
-        groups = {"attention": QuantizationScheme(targets=attention_classes,
-                                                  input_activations=args)}
-    return QuantizationModifier(ignore=["lm_head"], kv_cache_scheme=args, config_groups=groups)
+        groups["attention"] = QuantizationScheme(targets=attention_classes,
+                                                 input_activations=args)
+    return QuantizationModifier(ignore=weight_schemes.IGNORE, kv_cache_scheme=args,
+                                config_groups=groups or None)
 
 
 def _recipe_yaml(modifier) -> str:
@@ -475,8 +512,10 @@ def _stop_after(model, last: Any) -> Iterator[None]:
 
 
 def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipeline: str,
-                 attention: dict[str, Any], q_scale: bool) -> _AbsmaxRecorder:
-    """Calibrate on `token_ids`, one sample per batch, in the order given."""
+                 attention: dict[str, Any], q_scale: bool,
+                 whole_model: bool = False) -> _AbsmaxRecorder:
+    """Calibrate on `token_ids`, one sample per batch, in the order given. `whole_model`:
+    every layer must see the samples (static activation scales of a weight scheme)."""
     from compressed_tensors.modeling import (
         KV_CACHE_ATTR,
         initialize_hooked_attention,
@@ -511,7 +550,7 @@ def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipelin
         with contextlib.ExitStack() as stack:
             if q_scale:
                 stack.enter_context(_observe_queries(attention))
-            if pipeline == "basic":
+            if pipeline == "basic" and not whole_model:
                 stack.enter_context(_stop_after(model, stop_at))
             oneshot(model=model, processor=tokenizer, dataset=batches, recipe=[modifier],
                     pipeline=pipeline)
@@ -609,13 +648,15 @@ def _collect_scales(scales: dict[str, Any], per_sample: dict[tuple[str, str], np
     return sorted(layers.values(), key=lambda e: e["layer"])
 
 
-def _quantization_config(model) -> dict[str, Any]:
-    """The quantization_config llm-compressor itself would write for this model."""
+def _quantization_config(model, compressed: bool = False) -> dict[str, Any]:
+    """The quantization_config llm-compressor itself would write for this model; dense
+    unless its weights were quantized here (`compressed`)."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
     config = QuantizationConfig.from_pretrained(model)
-    config.format = "dense"
+    if not compressed:
+        config.format = "dense"
     config.quantization_status = QuantizationStatus.COMPRESSED
     result = config.model_dump(mode="json")
     result["version"] = compressed_tensors.__version__
@@ -652,13 +693,7 @@ def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
     when model.safetensors exists.
     """
     files = checkpoint.weight_files(model_dir)
-    for item in model_dir.iterdir():
-        if item.suffix == ".safetensors" or item.name in (checkpoint.INDEX_NAME, REPORT_FILE,
-                                                          "recipe.yaml", "config.json",
-                                                          *leave_out):
-            continue
-        copy = shutil.copytree if item.is_dir() else shutil.copyfile
-        copy(item, out / item.name)
+    copy_side_files(out, model_dir, leave_out)
     weight_map: dict[str, str] = {}
     for src in files:
         name = "model-00001-of-00001.safetensors" if src == "model.safetensors" else src
@@ -672,6 +707,41 @@ def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
             weight_files.place(model_dir / src, out / name, weights)
         weight_map.update({t: name for t in tensors if t not in old_scales})
     return weight_map
+
+
+def copy_side_files(out: Path, model_dir: Path, leave_out: tuple[str, ...] = ()) -> None:
+    """Copy what is not weights, config, index or calibration output (tokenizer, generation
+    config...) from `model_dir` into `out`, but `leave_out`."""
+    for item in model_dir.iterdir():
+        if item.suffix == ".safetensors" or item.name in (checkpoint.INDEX_NAME, REPORT_FILE,
+                                                          "recipe.yaml", "config.json",
+                                                          *leave_out):
+            continue
+        copy = shutil.copytree if item.is_dir() else shutil.copyfile
+        copy(item, out / item.name)
+
+
+def write_quantized_checkpoint(out: Path, model_dir: Path, model, scales: dict[str, Any],
+                               dtype: str, recipe_yaml: str) -> dict[str, Any]:
+    """Save a model whose weights this run quantized (`run --scheme`), compressed by
+    compressed-tensors, in the input's dtype; return the quantization_config it wrote.
+
+    The KV scales are saved with the model; each must be the one measured.
+    """
+    import torch
+    from safetensors import safe_open
+
+    model.to(getattr(torch, dtype))
+    model.save_pretrained(out, save_compressed=True)
+    copy_side_files(out, model_dir)  # the input's tokenizer and generation config
+    saved_tensors = checkpoint.tensor_index(out)
+    for name, expected in scales.items():
+        with safe_open(saved_tensors[name].file, "pt") as saved:
+            if not torch.equal(saved.get_tensor(name), expected):
+                raise CheckFailed(f"{name}: the saved scale is not the one measured; "
+                                  "nothing was saved")
+    (out / "recipe.yaml").write_text(recipe_yaml)
+    return checkpoint.load_config(out)["quantization_config"]
 
 
 def write_index(out: Path, weight_map: dict[str, str]) -> None:

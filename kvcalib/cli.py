@@ -147,6 +147,11 @@ def run(
              "filesystem clones, else copy), copy, reflink (copy-on-write clone), or link "
              "(hard links: editing the input files in place would change the output).")
     ] = "auto",
+    scheme: Annotated[str | None, typer.Option(
+        help="Also quantize the weights in the same pass with this compressed-tensors "
+             "preset (FP8_DYNAMIC, FP8, W8A8, W4A16...; lm_head is left out) and save them "
+             "compressed. Without it, the input's weights (unquantized or already "
+             "quantized) are copied bit for bit.")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(
         help="Calibrate on N ranks of this node through torchrun (one per GPU, or CPU "
              "processes), each on its share of the samples. Several nodes: run torchrun "
@@ -162,13 +167,14 @@ def run(
     from kvcalib.calibration import REPORT_FILE, calibrate, check_launch
     from kvcalib.data import DEFAULT_DATASET, DEFAULT_SPLIT, DatasetSpec
     from kvcalib.report import calibration_summary
+    from kvcalib.weight_schemes import describe
 
     if nproc_per_node is not None and nproc_per_node != 1:
         from kvcalib import distributed
 
         check_launch(model, output, overwrite, nproc_per_node, strategy=strategy,
                      observer=observer, pipeline=pipeline, dtype=dtype, weights=weights,
-                     num_samples=num_samples, max_seq_len=max_seq_len)
+                     num_samples=num_samples, max_seq_len=max_seq_len, scheme=scheme)
         raise typer.Exit(distributed.launch(nproc_per_node,
                                             _without_option(sys.argv[1:], "--nproc-per-node")))
     if split is None and dataset == DEFAULT_DATASET:
@@ -177,7 +183,8 @@ def run(
         model, output, strategy=strategy, q_scale=q_scale,
         dataset=DatasetSpec(dataset, dataset_config, split, text_column),
         num_samples=num_samples, max_seq_len=max_seq_len, seed=seed, observer=observer,
-        pipeline=pipeline, dtype=dtype, weights=weights, overwrite=overwrite, log=_info,
+        pipeline=pipeline, dtype=dtype, weights=weights, scheme=scheme, overwrite=overwrite,
+        log=_info,
     )
     if result.rank != 0:
         return  # rank 0 prints for the job
@@ -186,7 +193,9 @@ def run(
 
         _info(f"Plot: {draw(result.report, plot)}")
     _output(json_path, result.report, "\n".join([
-        calibration_summary(result.report), f"Checkpoint: {result.output}",
+        calibration_summary(result.report),
+        f"Weights:    {describe(result.report['weight_quantization'])}",
+        f"Checkpoint: {result.output}",
         f"Report:     {result.output / REPORT_FILE}"]))
 
 

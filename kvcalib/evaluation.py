@@ -88,19 +88,26 @@ def _stderr(message: str) -> None:
 
 
 def load_model(ckpt: Path, dtype: str):
-    """The checkpoint's model without its quantization config (weights are unchanged)."""
+    """The checkpoint's model without its KV quantization (quantsim simulates it);
+    quantized weights are decompressed to their quantized values (kvcalib.weight_schemes)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
+    from kvcalib import weight_schemes
+
     config = AutoConfig.from_pretrained(ckpt)
-    if hasattr(config, "quantization_config"):
+    weight_quant = weight_schemes.input_quantization(ckpt, checkpoint.load_config(ckpt))
+    if weight_quant is not None:
+        config.quantization_config = {**weight_quant, "kv_cache_scheme": None}
+    elif hasattr(config, "quantization_config"):
         del config.quantization_config
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # the scale tensors are "unexpected keys": expected here
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt, config=config,
-                                                     dtype=getattr(torch, dtype))
+                                                     dtype=getattr(torch, dtype),
+                                                     **weight_schemes.load_options(weight_quant))
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
     except Exception as exc:  # transformers raises many types for unloadable models
         raise UsageError(f"cannot load {ckpt}: {str(exc).splitlines()[0]}") from None

@@ -33,7 +33,10 @@ from kvcalib.errors import UsageError
 DEVICE_MEMORY_ENV = "KVCALIB_DEVICE_MEMORY"
 FIT = 0.8  # use at most this share of what is free: the activations are estimates
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_STORED_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # floating tensors are cast when loaded
+# Floating tensors are cast when loaded, and quantized weights (I8, FP8) decompressed to
+# the compute dtype (kvcalib.weight_schemes).
+_STORED_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "F8_E4M3": 1}
+PACKED_PER_INT32 = 8  # pack-quantized int4 weights; counts 8-bit packing twice
 RUNTIME = 512 * 2**20  # libraries still to load and allocator slack, beyond the estimate
 
 
@@ -58,7 +61,9 @@ def estimate(model_dir: Path, config: dict[str, Any], compute_dtype: str, max_se
     weights = 0
     for name, info in checkpoint.tensor_index(model_dir).items():
         stored = info.end - info.start
-        if info.dtype in _STORED_BYTES:
+        if name.endswith(".weight_packed"):
+            stored = stored // 4 * PACKED_PER_INT32 * element
+        elif info.dtype in _STORED_BYTES:
             stored = stored // _STORED_BYTES[info.dtype] * element
         weights += stored
         layer = geometry.layer_number(name)

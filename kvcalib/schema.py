@@ -131,6 +131,17 @@ class WeightsInfo(_Record):
     reason: str
 
 
+class WeightQuantizationInfo(_Record):
+    """Quantized weights: already in the input (its files copied bit for bit), or quantized
+    by this run's --scheme preset; their compressed-tensors groups and ignores."""
+
+    quantized_by: Literal["input", "run"]
+    preset: str | None
+    format: str | None
+    config_groups: dict[str, dict[str, Any]]
+    ignore: list[str]
+
+
 class ConvergenceFlag(_Record):
     layer: Count
     kind: Literal["k", "v", "q"]
@@ -160,6 +171,7 @@ class CalibrationReport(_Record):
     distributed: DistributedInfo | None = None
     memory: MemoryInfo | None = None
     weights: WeightsInfo | None = None
+    weight_quantization: WeightQuantizationInfo | None = None  # None: unquantized weights
     convergence: ConvergenceInfo | None = None
     versions: dict[str, str]
     timings_s: dict[str, FiniteFloat]

@@ -28,9 +28,11 @@ def _update(result: dict, key, amax: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def kv_absmax_per_sample(model_dir: Path, token_ids: list[list[int]], dtype: str) -> list[dict]:
-    """For each sample: {(layer, "k"|"v"): per-KV-head absmax}, post-RoPE."""
-    model = _load(model_dir, dtype)
+def kv_absmax_per_sample(model_dir: Path, token_ids: list[list[int]], dtype: str,
+                         model=None) -> list[dict]:
+    """For each sample: {(layer, "k"|"v"): per-KV-head absmax}, post-RoPE (of `model`
+    when given, else of the checkpoint in `model_dir`)."""
+    model = model if model is not None else _load(model_dir, dtype)
     result = []
     for ids in token_ids:
         cache = DynamicCache()  # without a config every layer keeps all tokens
@@ -41,10 +43,10 @@ def kv_absmax_per_sample(model_dir: Path, token_ids: list[list[int]], dtype: str
     return result
 
 
-def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str) -> dict:
+def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str, model=None) -> dict:
     """{(layer, "k"|"v"): per-KV-head absmax} over all samples, post-RoPE."""
     result: dict = {}
-    for sample in kv_absmax_per_sample(model_dir, token_ids, dtype):
+    for sample in kv_absmax_per_sample(model_dir, token_ids, dtype, model):
         for key, amax in sample.items():
             _update(result, key, amax)
     return result
@@ -85,7 +87,12 @@ def expected_scale(absmax: torch.Tensor, strategy: str, dtype: torch.dtype) -> t
 
 def saved_scales(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every *_scale tensor of a checkpoint, read with the safetensors library."""
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    index_file = ckpt / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())["weight_map"]
+    else:  # a lone model.safetensors, as save_pretrained writes small models
+        with safe_open(ckpt / "model.safetensors", "pt") as f:
+            index = dict.fromkeys(f.keys(), "model.safetensors")
     scales = {}
     for name, file in index.items():
         if name.endswith(("k_scale", "v_scale", "q_scale")):
@@ -107,3 +114,32 @@ def sample_token_ids(ckpt: Path) -> list[list[int]]:
     max_len = report["samples"]["max_seq_len"]
     return [tokenizer(rows[i][ds["text_column"]], truncation=True, max_length=max_len)["input_ids"]
             for i in report["dataset"]["rows_used"]]
+
+
+def _unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int4: eight values per int32, lowest bits first,
+    stored with an offset of 8."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.reshape(packed.shape[0], -1)[:, :columns] - 8).float()
+
+
+def dequantized_model(quantized_dir: Path, unquantized_dir: Path, dtype: str):
+    """The unquantized model with every Linear weight replaced by its quantized value
+    (stored integers or FP8 times their scales), read from `quantized_dir` with the
+    safetensors library: no compressed-tensors, no activation quantization."""
+    model = _load(unquantized_dir, dtype)
+    with safe_open(quantized_dir / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or f"{name}.weight_scale" not in names:
+                continue
+            scale = f.get_tensor(f"{name}.weight_scale").float()
+            if f"{name}.weight_packed" in names:
+                values = _unpack_int4(f.get_tensor(f"{name}.weight_packed"),
+                                      module.in_features)
+                scale = scale.repeat_interleave(module.in_features // scale.shape[1], dim=1)
+            else:
+                values = f.get_tensor(f"{name}.weight").float()
+            module.weight.data = (values * scale).to(module.weight.dtype)
+    return model

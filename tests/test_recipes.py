@@ -21,16 +21,19 @@ CASES = {
     "fp8_kv_attn_head.yaml": ("attn_head", None),
     "fp8_kv_attn_head_q.yaml": ("attn_head", ["LlamaAttention"]),
 }
+WEIGHT_CASES = {"fp8_dynamic_weights_fp8_kv_tensor.yaml": ("tensor", None, "FP8_DYNAMIC")}
 TOKEN_IDS = [[(7 * i + 13 * j) % 40000 + 100 for j in range(24)] for i in range(3)]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [*CASES, *WEIGHT_CASES])
 def test_recipe_is_what_kvcalib_builds(name):
     (modifier,) = Recipe.create_instance(str(RECIPES / name)).modifiers
-    built = build_modifier(CASES[name][0], "static_minmax", CASES[name][1])
+    strategy, attention, *scheme = {**CASES, **WEIGHT_CASES}[name]
+    built = build_modifier(strategy, "static_minmax", attention, *scheme)
     assert modifier.kv_cache_scheme == built.kv_cache_scheme
     assert modifier.ignore == built.ignore
-    assert (modifier.config_groups or {}) == (built.config_groups or {})
+    # A preset `scheme:` in YAML and kvcalib's config group resolve to the same groups.
+    assert modifier.resolve_quantization_config() == built.resolve_quantization_config()
 
 
 @pytest.mark.parametrize("name", CASES)
