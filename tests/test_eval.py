@@ -60,8 +60,10 @@ def test_metrics_are_reproducible_and_ordered(smol_eval, smol_attn_head):
     assert "95% interval of the difference" in smol_eval.verdict
 
 
-def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
-    """FP8 K/V through compressed-tensors' own hook points and torch's FP8 cast."""
+def hooked_kl(model_dir, token_ids, quantizers) -> float:
+    """Mean token KL with K/V replaced through compressed-tensors' own hook points:
+    quantizers maps a layer to (key function, value function) of (batch, heads, seq, dim)
+    states; other layers stay exact."""
     from compressed_tensors.modeling import (
         initialize_hooked_kv_cache,
         register_key_hook,
@@ -72,24 +74,30 @@ def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
     ids = [torch.tensor([t]) for t in token_ids]
     with torch.no_grad():
         ref = [torch.log_softmax(model(t).logits[0, :-1], -1) for t in ids]
-
-    def quantizer(scale):
-        s = scale.reshape(1, -1, 1, 1)
-        return lambda _m, x: ((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s)
-
-    for layer, block in enumerate(model.model.layers):
-        if layer in skip:
-            continue
-        name = f"model.layers.{layer}.self_attn"
-        initialize_hooked_kv_cache(model, block.self_attn)
-        register_key_hook(block.self_attn, quantizer(scales[f"{name}.k_scale"]))
-        register_value_hook(block.self_attn, quantizer(scales[f"{name}.v_scale"]))
+    for layer, (keys, values) in quantizers.items():
+        attention = model.model.layers[layer].self_attn
+        initialize_hooked_kv_cache(model, attention)
+        register_key_hook(attention, lambda _m, x, f=keys: f(x))
+        register_value_hook(attention, lambda _m, x, f=values: f(x))
     kls = []
     with torch.no_grad():
         for t, r in zip(ids, ref, strict=True):
             out = torch.log_softmax(model(t).logits[0, :-1], -1)
             kls.append((r.exp() * (r - out)).sum(-1))
     return float(torch.cat(kls).mean())
+
+
+def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
+    """FP8 K/V through compressed-tensors' own hook points and torch's FP8 cast."""
+
+    def quantizer(scale):
+        s = scale.reshape(1, -1, 1, 1)
+        return lambda x: ((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s)
+
+    return hooked_kl(model_dir, token_ids, {
+        layer: (quantizer(scales[f"model.layers.{layer}.self_attn.k_scale"]),
+                quantizer(scales[f"model.layers.{layer}.self_attn.v_scale"]))
+        for layer in range(30) if layer not in skip})
 
 
 def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
