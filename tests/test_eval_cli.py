@@ -18,7 +18,7 @@ def eval_run(smol_attn_head, tmp_path_factory):
     result = run_kvcalib("eval", smol_attn_head, *SMALL, "--sweep", "--sweep-samples", 2,
                          "--kivi", "--kivi-group", 16, "--kivi-residual", 16,
                          "--max-kl", 1e-9, "--max-ppl-increase", 0.5, "--min-passkey", 0,
-                         "--json", out / "eval.json", "--plot", out / "eval.png")
+                         "--json", out / "eval.json", "--plot", out / "eval.png", timeout=1800)
     return result, json.loads((out / "eval.json").read_text()), out
 
 
