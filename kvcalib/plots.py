@@ -133,9 +133,10 @@ def pareto(path: Path, points: Mapping[str, tuple[float, float, float, float]],
     names = list(points)
     x, y, low, high = (np.array([points[n][i] for n in names], dtype=float) for i in range(4))
     ax.errorbar(x, y, yerr=[y - low, high - y], fmt="o", capsize=3, color="tab:blue")
-    for name, xi, yi in zip(names, x, y, strict=True):
-        ax.annotate(name, (xi, yi), textcoords="offset points", xytext=(5, 4),
-                    fontsize="small")
+    for i, name in enumerate(names):  # labels of points at one capacity stacked upward
+        stacked = sum(x[j] == x[i] and (y[j], j) < (y[i], i) for j in range(len(names)))
+        ax.annotate(name, (x[i], y[i]), textcoords="offset points",
+                    xytext=(6, -4 + 10 * stacked), fontsize="small")
     front = [i for i in range(len(names)) if not any(
         x[j] >= x[i] and y[j] <= y[i] and (x[j], y[j]) != (x[i], y[i]) for j in range(len(names)))]
     front.sort(key=lambda i: x[i])
