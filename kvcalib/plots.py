@@ -121,3 +121,32 @@ def convergence(path: Path, curves: Mapping[str, Mapping[int, np.ndarray]],
     axes[-1].set_xlabel("samples")
     figure.suptitle(title, fontsize="medium")
     return _save(figure, path)
+
+
+def pareto(path: Path, points: Mapping[str, tuple[float, float, float, float]],
+           reference: tuple[str, float] | None, xlabel: str, title: str) -> Path:
+    """Tokens at a budget (x) against mean KL (y, log) per format: label -> (tokens, KL,
+    interval low, interval high). The formats no other beats on both axes are joined (the
+    Pareto front); the unquantized reference (label, tokens) is a vertical line."""
+    figure = _figure(8.0, 5.0)
+    ax = figure.subplots()
+    names = list(points)
+    x, y, low, high = (np.array([points[n][i] for n in names], dtype=float) for i in range(4))
+    ax.errorbar(x, y, yerr=[y - low, high - y], fmt="o", capsize=3, color="tab:blue")
+    for i, name in enumerate(names):  # labels of points at one capacity stacked upward
+        stacked = sum(x[j] == x[i] and (y[j], j) < (y[i], i) for j in range(len(names)))
+        ax.annotate(name, (x[i], y[i]), textcoords="offset points",
+                    xytext=(6, -4 + 10 * stacked), fontsize="small")
+    front = [i for i in range(len(names)) if not any(
+        x[j] >= x[i] and y[j] <= y[i] and (x[j], y[j]) != (x[i], y[i]) for j in range(len(names)))]
+    front.sort(key=lambda i: x[i])
+    ax.plot(x[front], y[front], color="tab:orange", linewidth=1.2, label="Pareto front")
+    if reference:
+        ax.axvline(reference[1], color="0.5", linestyle=":", label=f"{reference[0]} (KL 0)")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean KL vs the exact model (95% interval)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left")
+    ax.set_title(title)
+    return _save(figure, path)

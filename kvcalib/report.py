@@ -138,6 +138,10 @@ def eval_summary(result) -> str:
         lines.append(f"Per-layer sensitivity (sweep samples: {result.sweep['samples']}; all layers "
                      f"KL {result.sweep['all_kl']:.5f}): alone, layers " + ", ".join(
                          f"{e['layer']} ({e['only_kl']:.5f})" for e in top))
+        noise = result.sweep["within_noise"]
+        lines.append(f"Skipping a layer saves KL within noise (95% interval includes 0) for "
+                     f"{len(noise)} of {len(result.sweep['layers'])} layers"
+                     + (f": {index_ranges(noise)}; these are never recommended" if noise else ""))
         if "recommendation" in result.sweep:
             rec = result.sweep["recommendation"]
             lines.append(f"Skip set for mean KL <= {rec['max_kl']}: {rec['flag']} "
@@ -147,10 +151,84 @@ def eval_summary(result) -> str:
         lines.append(f"KIVI 2-bit bytes per token at {b['tokens']} tokens: {b['kivi']:,.0f} "
                      f"(fp8 {b['fp8']:,.0f}, 16-bit {b['16bit']:,.0f}); long context: "
                      f"{b['kivi_long_context']:,.0f}")
+    if result.formats:
+        lines += ["", *formats_summary(result.formats, result.metrics)]
     for note in result.notes:
         lines.append(f"Note: {note}")
     lines += ["", checks_table(result.checks), _result_line(result.exit_code)]
     return "\n".join(lines)
+
+
+def _interval(low: float, high: float, digits: str = ".4f") -> str:
+    return f"[{low:{digits}}, {high:{digits}}]"
+
+
+def _versus(difference: dict[str, Any] | None, digits: str = "+.4f") -> str:
+    """'+0.0123 [+0.01, +0.02]', with 'noise' when the interval includes zero."""
+    if difference is None:
+        return "-"
+    noise = " noise" if difference["within_noise"] else ""
+    return (f"{difference['difference']:{digits}} "
+            f"{_interval(difference['low'], difference['high'], digits)}{noise}")
+
+
+def formats_summary(formats: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
+    """The format comparison: one row per format (and static-scale choice), its capacity,
+    its metrics and its difference from the reference with paired 95% intervals; then the
+    recommendation and whether the two most accurate formats are told apart."""
+    target = formats["target"]
+    budget = formats["budget_bytes"]
+    rows = []
+    for row in formats["rows"]:
+        m = metrics.get(row["metrics_key"] or "")
+        versus = row["vs_reference"] or {}
+        na = row["note"].startswith("n/a")
+        runs = (row["runs_on"].get(target, "") if target else ", ".join(row["runs_on"]))
+        gates = {True: "yes", False: "no", None: "-"}[row["meets_gates"]]
+        if na:
+            kl = ppl = "n/a"
+        elif m is None:  # the model dtype: the reference itself
+            kl, ppl = "0 (reference)", "+0.00%"
+        else:
+            kl = (f"{m.mean_kl:.4f} {_interval(*m.mean_kl_ci)}" if m.mean_kl_ci
+                  else f"{m.mean_kl:.4f}")
+            ppl = f"{m.ppl_change:+.2%}"
+        rows.append([row["label"], "n/a" if na else f"{row['tokens_at_budget']:,}", kl,
+                     _versus(versus.get("mean_kl")), ppl, _versus(versus.get("ppl"), "+.3f"),
+                     "-" if row["passkey"] is None else f"{row['passkey']:.0%}", gates, runs])
+    where = f" on {target}" if target else ""
+    headers = ["format", f"tokens @ {budget / 2**30:g} GiB", "mean KL [95%]",
+               f"KL vs {formats['reference']}", "PPL change", "PPL vs ref", "passkey",
+               "gates", f"backend{where}" if target else "runs on"]
+    lines = [f"KV cache formats{where} (blocks of {formats['block_size']} tokens; differences "
+             f"are paired 95% intervals over the samples, 'noise' where they include 0):",
+             table(headers, rows)]
+    lines += [f"  {row['label']}: {row['note']}" for row in formats["rows"] if row["note"]]
+    best = formats["recommendation"]
+    gates = ", ".join(f"--{name.replace('_', '-')} {value}"
+                      for name, value in formats["gates"].items() if value is not None)
+    if not gates:
+        lines.append("Recommendation: none; set --max-kl, --max-ppl-increase or --min-passkey "
+                     "to choose the format with the most tokens that meets them")
+    elif best is None or not best["quantized"]:
+        lines.append(f"Recommendation{where}: no quantized format meets {gates}; keep "
+                     "--kv-cache-dtype auto")
+    else:
+        lines.append(f"Recommendation{where}: {best['label']}, the most tokens at the budget "
+                     f"({best['tokens_at_budget']:,}) among formats that meet {gates}: "
+                     f"{best['flag']}")
+    two = formats["top_two"]
+    if two:
+        interval = (f"difference {two['difference']:+.5f}, 95% interval "
+                    f"{_interval(two['low'], two['high'], '+.5f')} over {two['samples']} samples")
+        if two["within_noise"]:
+            needed = two["samples_needed"]
+            lines.append(f"Most accurate: {two['first']} vs {two['second']}: within noise "
+                         f"({interval}); about {needed} samples would tell them apart")
+        else:
+            lines.append(f"Most accurate: {two['first']} beats {two['second']} ({interval}); "
+                         f"about {two['samples_needed']} samples suffice to tell them apart")
+    return lines
 
 
 def junit_xml(suite: str, checks) -> str:

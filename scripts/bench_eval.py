@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-samples", type=int, default=8)
     parser.add_argument("--max-seq-len", type=int, default=512)
-    parser.add_argument("--sweep-samples", type=int, default=1)
+    parser.add_argument("--sweep-samples", type=int, default=2)  # intervals need 2
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

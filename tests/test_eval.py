@@ -60,8 +60,10 @@ def test_metrics_are_reproducible_and_ordered(smol_eval, smol_attn_head):
     assert "95% interval of the difference" in smol_eval.verdict
 
 
-def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
-    """FP8 K/V through compressed-tensors' own hook points and torch's FP8 cast."""
+def hooked_kl(model_dir, token_ids, quantizers) -> float:
+    """Mean token KL with K/V replaced through compressed-tensors' own hook points:
+    quantizers maps a layer to (key function, value function) of (batch, heads, seq, dim)
+    states; other layers stay exact."""
     from compressed_tensors.modeling import (
         initialize_hooked_kv_cache,
         register_key_hook,
@@ -72,24 +74,30 @@ def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
     ids = [torch.tensor([t]) for t in token_ids]
     with torch.no_grad():
         ref = [torch.log_softmax(model(t).logits[0, :-1], -1) for t in ids]
-
-    def quantizer(scale):
-        s = scale.reshape(1, -1, 1, 1)
-        return lambda _m, x: ((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s)
-
-    for layer, block in enumerate(model.model.layers):
-        if layer in skip:
-            continue
-        name = f"model.layers.{layer}.self_attn"
-        initialize_hooked_kv_cache(model, block.self_attn)
-        register_key_hook(block.self_attn, quantizer(scales[f"{name}.k_scale"]))
-        register_value_hook(block.self_attn, quantizer(scales[f"{name}.v_scale"]))
+    for layer, (keys, values) in quantizers.items():
+        attention = model.model.layers[layer].self_attn
+        initialize_hooked_kv_cache(model, attention)
+        register_key_hook(attention, lambda _m, x, f=keys: f(x))
+        register_value_hook(attention, lambda _m, x, f=values: f(x))
     kls = []
     with torch.no_grad():
         for t, r in zip(ids, ref, strict=True):
             out = torch.log_softmax(model(t).logits[0, :-1], -1)
             kls.append((r.exp() * (r - out)).sum(-1))
     return float(torch.cat(kls).mean())
+
+
+def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
+    """FP8 K/V through compressed-tensors' own hook points and torch's FP8 cast."""
+
+    def quantizer(scale):
+        s = scale.reshape(1, -1, 1, 1)
+        return lambda x: ((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s)
+
+    return hooked_kl(model_dir, token_ids, {
+        layer: (quantizer(scales[f"model.layers.{layer}.self_attn.k_scale"]),
+                quantizer(scales[f"model.layers.{layer}.self_attn.v_scale"]))
+        for layer in range(30) if layer not in skip})
 
 
 def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
@@ -99,7 +107,11 @@ def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
     sweep = result.sweep
     assert sweep["all_kl"] > budget  # the budget binds: some layers must be skipped
     rec = sweep["recommendation"]
-    assert rec["met"] and rec["skip_layers"] and rec["kl"] <= budget
+    # Only layers whose saving is told apart from noise over the 2 samples are skipped:
+    # the budget is met with them, or the recommendation says it is not.
+    noise = {e["layer"] for e in sweep["layers"] if e["within_noise"]}
+    assert rec["skip_layers"] and not noise & set(rec["skip_layers"])
+    assert rec["met"] == (rec["kl"] <= budget)
     assert rec["flag"] == "--kv-cache-dtype-skip-layers " + " ".join(map(str, rec["skip_layers"]))
     assert len(sweep["ranking"]) == 30 and sorted(sweep["ranking"]) == list(range(30))
     # Recompute both KLs independently, on the same held-out tokens.
@@ -114,7 +126,7 @@ def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
     full = _independent_kl(demo_model, samples.token_ids, scales, set())
     skipped = _independent_kl(demo_model, samples.token_ids, scales, set(rec["skip_layers"]))
     assert full == pytest.approx(sweep["all_kl"], rel=0.02)
-    assert skipped == pytest.approx(rec["kl"], rel=0.02) and skipped <= budget * 1.02
+    assert skipped == pytest.approx(rec["kl"], rel=0.02) and skipped < full
 
 
 def _rescaled(demo_model, tmp_path, name: str, factor: float) -> object:

@@ -15,10 +15,10 @@ SMALL = ["--num-samples", 2, "--max-seq-len", 64, "--passkey-lengths", 256,
 @pytest.fixture(scope="module")
 def eval_run(smol_attn_head, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
-    result = run_kvcalib("eval", smol_attn_head, *SMALL, "--sweep", "--sweep-samples", 1,
+    result = run_kvcalib("eval", smol_attn_head, *SMALL, "--sweep", "--sweep-samples", 2,
                          "--kivi", "--kivi-group", 16, "--kivi-residual", 16,
                          "--max-kl", 1e-9, "--max-ppl-increase", 0.5, "--min-passkey", 0,
-                         "--json", out / "eval.json", "--plot", out / "eval.png")
+                         "--json", out / "eval.json", "--plot", out / "eval.png", timeout=1800)
     return result, json.loads((out / "eval.json").read_text()), out
 
 
@@ -53,8 +53,17 @@ def test_table_json_and_kivi(eval_run):
 def test_sweep_and_plot(eval_run):
     _, report, out = eval_run
     sweep = report["sweep"]
-    assert len(sweep["layers"]) == 30 and sweep["samples"] == 1
+    assert len(sweep["layers"]) == 30 and sweep["samples"] == 2
     assert not sweep["recommendation"]["met"] or sweep["recommendation"]["kl"] <= 1e-9
+    # A layer is within noise when the paired interval of what skipping it saves holds 0;
+    # such layers are listed, and never recommended.
+    for layer in sweep["layers"]:
+        low, high = layer["gain_interval"]
+        assert low <= layer["gain_if_skipped"] <= high
+        assert layer["within_noise"] == (low <= 0 <= high)
+    noise = [e["layer"] for e in sweep["layers"] if e["within_noise"]]
+    assert sweep["within_noise"] == noise
+    assert not set(noise) & set(sweep["recommendation"]["skip_layers"])
     png = (out / "eval.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
