@@ -95,15 +95,7 @@ def test_missing_scales_are_caught_by_the_read_back(smol_attn_head, readback_dty
 
 
 def test_fp8_checkpoint_without_scales_fails_on_the_warning(demo_model, tmp_path):
-    ckpt = linked_copy(demo_model, tmp_path / "fp8", leave_out=("config.json",))
-    config = json.loads((demo_model / "config.json").read_text())
-    linear = [f"model.layers.{i}.{m}" for i in range(30) for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    # quant_method fp8 with every Linear ignored: bf16 weights, FP8 KV cache via Fp8Config.
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "ignored_layers": [*linear, "lm_head"]}
-    (ckpt / "config.json").write_text(json.dumps(config))
+    ckpt = _kv_only_fp8_copy(demo_model, tmp_path / "fp8")
     result = run_verify(ckpt, tmp_path / "out")
     assert result["returncode"] == 1
     warnings = [c["message"] for c in _checks(result["report"], "log", "fail")]
@@ -121,10 +113,9 @@ def test_without_vllm_it_is_an_environment_error(smol_attn_head, tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stdout
 
 
-def _fp8_layout_checkpoint(demo_model: Path, smol_attn_head: Path, out: Path) -> Path:
-    """`quant_method: fp8` with every Linear ignored (bf16 weights, as AutoFP8 writes
-    KV-only checkpoints) and per-tensor scales: the largest of each layer's calibrated
-    per-head scales, as scalars."""
+def _kv_only_fp8_copy(demo_model: Path, out: Path) -> Path:
+    """The demo model as `quant_method: fp8` with every Linear ignored: bf16 weights and an
+    FP8 KV cache through vLLM's Fp8Config, without scales."""
     ckpt = linked_copy(demo_model, out, leave_out=("config.json",))
     config = json.loads((demo_model / "config.json").read_text())
     linear = [f"model.layers.{i}.{m}" for i in range(30) for m in (
@@ -133,6 +124,14 @@ def _fp8_layout_checkpoint(demo_model: Path, smol_attn_head: Path, out: Path) ->
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "ignored_layers": [*linear, "lm_head"]}
     (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def _fp8_layout_checkpoint(demo_model: Path, smol_attn_head: Path, out: Path) -> Path:
+    """`quant_method: fp8` with every Linear ignored (bf16 weights, as AutoFP8 writes
+    KV-only checkpoints) and per-tensor scales: the largest of each layer's calibrated
+    per-head scales, as scalars."""
+    ckpt = _kv_only_fp8_copy(demo_model, out)
     per_head = load_file(smol_attn_head / "kv_scales.safetensors")
     save_file({name: scale.max().reshape(()) for name, scale in per_head.items()},
               ckpt / "kv_scales.safetensors")
