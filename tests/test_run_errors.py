@@ -53,9 +53,10 @@ def test_model_without_attention_layers(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--strategy", "channel", "unknown strategy 'channel'"),
-    ("--observer", "avg", "unknown observer 'avg'"),
-    ("--pipeline", "fast", "unknown pipeline 'fast'"),
+    # Choices are refused while parsing, naming the allowed ones (listed in --help too).
+    ("--strategy", "channel", "'channel' is not one of 'tensor', 'attn_head'"),
+    ("--observer", "avg", "'avg' is not one of 'static_minmax', 'minmax', 'mse'"),
+    ("--pipeline", "fast", "'fast' is not one of 'auto', 'basic', 'sequential'"),
     ("--num-samples", "0", "Invalid value for '--num-samples'"),
     ("--max-seq-len", "-5", "Invalid value for '--max-seq-len'"),
 ])

@@ -126,8 +126,8 @@ def test_bad_input(tmp_path):
     fp8_weights = _compressed_tensors(tmp_path / "w8", per_head_scales(), extra={
         "model.layers.0.mlp.up_proj.weight_scale": np.ones(1, np.float32)})
     cases = [
-        ((quark, "--to", "gguf"), "unknown format 'gguf'; convert writes compressed-tensors, "
-                                  "modelopt, quark"),
+        ((quark, "--to", "gguf"), "'gguf' is not one of 'compressed-tensors', 'modelopt', "
+                                  "'quark'"),
         ((quark, "--to", "quark"), f"{quark} is already a quark checkpoint"),
         ((plain, "--to", "quark"), f"{plain} has no KV scales to convert: the checkpoint "
                                    "declares no KV-cache quantization"),
