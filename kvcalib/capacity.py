@@ -247,7 +247,7 @@ def _skip_layers(items: list[str], shape: geometry.Geometry) -> set[int]:
     """Layer indices vLLM keeps 16-bit: indices, or 'sliding_window' for every sliding layer."""
     skipped: set[int] = set()
     attention = shape.attention_layers
-    for item in (part.strip() for entry in items for part in entry.split(",")):
+    for item in (item.strip() for item in items):
         if item == "sliding_window":
             sliding = [layer.index for layer in shape.layers if layer.kind == geometry.SLIDING]
             if not sliding:

@@ -94,9 +94,14 @@ KiviGroupSize = Annotated[int, typer.Option(
     min=1, help="KIVI group: tokens per key group, channels per value group.")]
 KiviResidual = Annotated[int, typer.Option(
     min=0, help="KIVI: most recent tokens kept in 16 bits.")]
+def _comma_separated(values: list[str] | None) -> list[str]:
+    """A repeatable option that also takes commas: `--x 1,2 --x 3` is ["1", "2", "3"]."""
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
 SkipLayers = Annotated[list[str] | None, typer.Option(
-    help="Layers vLLM keeps in the model dtype (indices or sliding_window); repeat or use "
-         "commas.")]
+    callback=_comma_separated, help="Layers vLLM keeps in the model dtype (indices or "
+    "sliding_window); repeat or use commas.")]
 
 
 def _info(message: str) -> None:
@@ -247,10 +252,9 @@ def verify(
     if _is_stdout(json_path) and _is_stdout(junit):
         raise UsageError("--json - and --junit - cannot both go to standard output; "
                          "write one of them to a file")
-    skip = [part for item in kv_cache_dtype_skip_layers or [] for part in item.split(",") if part]
     result = run_verify(checkpoint, static_only=static_only, vllm_python=vllm_python,
                         kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-                        skip_layers=skip, compare_auto=compare_auto,
+                        skip_layers=kv_cache_dtype_skip_layers, compare_auto=compare_auto,
                         log_dir=log_dir or _beside(json_path), timeout=timeout, log=_info)
     text = verify_summary(result)
     if junit is not None:
@@ -267,10 +271,8 @@ def _numbers(text: str | None, kind: type, option: str, low: float,
              high: float | None = None) -> list:
     """'1024,2048' -> [1024, 2048]; a usage error, worded as for the options' own ranges,
     for anything else."""
-    if not text:
-        return []
     try:
-        values = [kind(part) for part in text.split(",") if part.strip()]
+        values = [kind(part) for part in _comma_separated([text] if text else [])]
     except ValueError:
         raise typer.BadParameter(f"{text!r} is not a comma-separated list of numbers",
                                  param_hint=f"'{option}'") from None
@@ -358,7 +360,7 @@ def eval_command(
     """Measure what FP8 KV (or, with --formats, each vLLM KV format) costs in accuracy: KL,
     top-1, perplexity, passkey, per layer; with --formats, tokens at a budget too."""
     from kvcalib.data import DatasetSpec
-    from kvcalib.evaluation import evaluate, pareto_plot
+    from kvcalib.evaluation import Gates, evaluate, pareto_plot
     from kvcalib.evaluation import plot as draw
     from kvcalib.report import eval_summary
 
@@ -368,16 +370,14 @@ def eval_command(
     result = evaluate(
         checkpoint, dataset=spec, num_samples=num_samples, max_seq_len=max_seq_len, seed=seed,
         batch_size=batch_size, dtype=dtype, rounding=rounding, compare=compare,
-        formats=[name.strip() for name in formats.split(",") if name.strip()] if formats
-        else None, target=target, budget=budget, block_size=block_size,
+        formats=_comma_separated([formats]) if formats else None, target=target,
+        budget=budget, block_size=block_size,
         passkey_lengths=_numbers(passkey_lengths, int, "--passkey-lengths", 1),
         passkey_depths=_numbers(passkey_depths, float, "--passkey-depths", 0, 1),
-        run_sweep=sweep,
-        sweep_samples=sweep_samples,
+        run_sweep=sweep, sweep_samples=sweep_samples,
         kivi=Kivi(kivi_group or kivi_group_size, kivi_residual) if kivi else None,
-        max_kl=max_kl, max_ppl_increase=max_ppl_increase,
-        min_passkey=min_passkey, use_engine=engine, vllm_python=vllm_python,
-        log_dir=_beside(json_path), log=_info)
+        gates=Gates(max_kl, max_ppl_increase, min_passkey), use_engine=engine,
+        vllm_python=vllm_python, log_dir=_beside(json_path), log=_info)
     if plot:
         _info(f"Plot: {draw(result, plot)}")
     if pareto:

@@ -27,7 +27,7 @@ import reprlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,26 @@ from kvcalib.verification import StaticScales, scale_checks, static_checks
 
 CALIBRATED, SCALE_ONE, E5M2 = "calibrated (e4m3)", "scale 1.0 (e4m3)", "scale 1.0 (e5m2)"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class Gates:
+    """eval's thresholds (None: not set). A release pipeline gates on them: exit 1 when the
+    checkpoint's scales (or, comparing formats, every quantized format) miss one."""
+
+    max_kl: float | None = None
+    max_ppl_increase: float | None = None  # a fraction: 0.01 is 1%
+    min_passkey: float | None = None
+
+    @property
+    def any_set(self) -> bool:
+        return any(value is not None for value in astuple(self))
+
+    def met(self, kl: float, ppl_change: float, passkey: float | None) -> bool:
+        return ((self.max_kl is None or kl <= self.max_kl)
+                and (self.max_ppl_increase is None or ppl_change <= self.max_ppl_increase)
+                and (self.min_passkey is None
+                     or (passkey is not None and passkey >= self.min_passkey)))
 
 
 @dataclass
@@ -532,19 +552,14 @@ def compare_to(reference: Metrics, other: Metrics) -> dict[str, Any] | None:
 
 
 def meets_gates(row: FormatRow, metrics: dict[str, Metrics], reference_passkey: float | None,
-                max_kl: float | None, max_ppl_increase: float | None,
-                min_passkey: float | None) -> bool | None:
+                gates: Gates) -> bool | None:
     """Whether a row passes every gate set (None: none set, or the row is n/a). The model
     dtype is the reference itself: KL 0, no perplexity change, the reference's passkey."""
-    if (max_kl, max_ppl_increase, min_passkey) == (None, None, None) or row.note.startswith(
-            "n/a"):
+    if not gates.any_set or row.note.startswith("n/a"):
         return None
     m = metrics.get(row.metrics_key or "")
     kl, ppl_change = (m.mean_kl, m.ppl_change) if m else (0.0, 0.0)
-    passkey = row.passkey if m else reference_passkey
-    return ((max_kl is None or kl <= max_kl)
-            and (max_ppl_increase is None or ppl_change <= max_ppl_increase)
-            and (min_passkey is None or (passkey is not None and passkey >= min_passkey)))
+    return gates.met(kl, ppl_change, row.passkey if m else reference_passkey)
 
 
 def recommend(rows: list[FormatRow], metrics: dict[str, Metrics]) -> FormatRow | None:
@@ -573,8 +588,8 @@ def top_two(rows: list[FormatRow], metrics: dict[str, Metrics]) -> dict[str, Any
 
 
 def _format_comparison(rows: list[FormatRow], result: EvalResult, reference: str,
-                       gates: tuple[float | None, float | None, float | None],
-                       target: str | None, budget: int, block_size: int) -> dict[str, Any]:
+                       gates: Gates, target: str | None, budget: int, block_size: int
+                       ) -> dict[str, Any]:
     """Fill in each row's statistics and gates, then rank."""
     metrics = result.metrics
     passkey = result.passkey or {}
@@ -587,11 +602,10 @@ def _format_comparison(rows: list[FormatRow], result: EvalResult, reference: str
                 row.passkey = passkey[row.metrics_key]["accuracy"]
         elif not row.note.startswith("n/a"):
             row.passkey = reference_passkey
-        row.meets_gates = meets_gates(row, metrics, reference_passkey, *gates)
+        row.meets_gates = meets_gates(row, metrics, reference_passkey, gates)
     best = recommend(rows, metrics)
     return {"target": target, "budget_bytes": budget, "block_size": block_size,
-            "reference": reference, "gates": dict(zip(("max_kl", "max_ppl_increase",
-                                                        "min_passkey"), gates, strict=True)),
+            "reference": reference, "gates": asdict(gates),
             "rows": [asdict(row) for row in rows],
             "recommendation": None if best is None else {
                 "label": best.label, "format": best.format,
@@ -624,9 +638,7 @@ def evaluate(
     run_sweep: bool = False,
     sweep_samples: int = 4,
     kivi: capacity.Kivi | None = None,
-    max_kl: float | None = None,
-    max_ppl_increase: float | None = None,
-    min_passkey: float | None = None,
+    gates: Gates = Gates(),
     use_engine: bool = False,
     vllm_python: str | None = None,
     log_dir: Path | None = None,
@@ -733,7 +745,7 @@ def evaluate(
                             for name, sim in passkey_sims.items()})
         sweep_result = None
         if run_sweep:
-            sweep_result = sweep(model, sweep_batches, sims[main_name], layers, max_kl,
+            sweep_result = sweep(model, sweep_batches, sims[main_name], layers, gates.max_kl,
                                  bar.update)
             sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
     if kivi_info:
@@ -747,12 +759,11 @@ def evaluate(
         sweep=sweep_result, kivi=kivi_info, verdict=_verdict(metrics) if own else "",
         layer_scales=_layer_scales(found))
     if rows:
-        result.formats = _format_comparison(rows, result, main_name,
-                                            (max_kl, max_ppl_increase, min_passkey), target,
+        result.formats = _format_comparison(rows, result, main_name, gates, target,
                                             budget_bytes, block_size)
     if use_engine:
         result.engine = _engine_cross_check(ckpt, samples, found, vllm_python, log_dir, log)
-    result.checks = _gates(result, main_name, max_kl, max_ppl_increase, min_passkey)
+    result.checks = _gates(result, main_name, gates)
     return result
 
 
@@ -824,14 +835,13 @@ def _engine_cross_check(ckpt: Path, samples: data.Samples, found: StaticScales,
     return result
 
 
-def _gates(result: EvalResult, main: str, max_kl: float | None,
-           max_ppl_increase: float | None, min_passkey: float | None) -> list[Check]:
+def _gates(result: EvalResult, main: str, gates: Gates) -> list[Check]:
     checks = [Check("note", WARN, note) for note in result.notes]
     if result.formats is not None:  # the gates choose a format instead
-        checks += _recommendation_checks(result.formats, min_passkey is not None
+        checks += _recommendation_checks(result.formats, gates.min_passkey is not None
                                          and result.passkey is None)
     else:
-        checks += _main_gates(result, main, max_kl, max_ppl_increase, min_passkey)
+        checks += _main_gates(result, main, gates)
     if result.sweep and "recommendation" in result.sweep:
         rec = result.sweep["recommendation"]
         checks.append(Check("sweep", PASS if rec["met"] else WARN,
@@ -851,11 +861,11 @@ def _gates(result: EvalResult, main: str, max_kl: float | None,
     return checks
 
 
-def _main_gates(result: EvalResult, main: str, max_kl: float | None,
-                max_ppl_increase: float | None, min_passkey: float | None) -> list[Check]:
+def _main_gates(result: EvalResult, main: str, gates: Gates) -> list[Check]:
     """The gates on the checkpoint's own scales (or scale 1.0 without them)."""
     checks = []
     metrics = result.metrics[main]
+    max_kl, max_ppl_increase, min_passkey = astuple(gates)
     if max_kl is not None:
         ok = metrics.mean_kl <= max_kl
         checks.append(Check("gate", PASS if ok else FAIL, f"{main}: mean KL {metrics.mean_kl:.5f}"
@@ -880,7 +890,7 @@ def _main_gates(result: EvalResult, main: str, max_kl: float | None,
 
 def _recommendation_checks(formats: dict[str, Any], no_passkey: bool) -> list[Check]:
     """With gates: pass when a quantized format meets them on the target, else fail."""
-    if all(value is None for value in formats["gates"].values()):
+    if not Gates(**formats["gates"]).any_set:
         return []
     if no_passkey:
         return [Check("gate", ERROR, "--min-passkey needs --passkey-lengths")]
@@ -921,7 +931,8 @@ def plot(result: EvalResult, path: Path) -> Path:
     if not bars and not lines:
         raise UsageError("nothing to plot: no per-layer sweep (--sweep) and no scales")
     return plots.sensitivity(path, layers, bars, lines, f"FP8 KV sensitivity: "
-                             f"{Path(result.checkpoint).name}")
+                             f"{Path(result.checkpoint).name}",
+                             noise=result.sweep["within_noise"] if result.sweep else ())
 
 
 def pareto_plot(result: EvalResult, path: Path) -> Path:

@@ -4,7 +4,7 @@ parallel without a display."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,9 +67,11 @@ def scales_by_layer(path: Path, series: Mapping[str, Sequence[float]], layers: S
 
 
 def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[float]],
-                lines: Mapping[str, Sequence[float]], title: str) -> Path:
+                lines: Mapping[str, Sequence[float]], title: str,
+                noise: Collection[int] = ()) -> Path:
     """Per-layer bars (KL when one layer is quantized, or gained when it is skipped) above
-    per-layer lines (scales), sharing the layer axis. Either part may be empty."""
+    per-layer lines (scales), sharing the layer axis. Either part may be empty. Layers in
+    `noise` (their effect's interval includes zero) get hatched, faint bars."""
     parts = [part for part in (bars, lines) if part]
     figure = _figure(max(7.0, 0.25 * len(layers) + 2), 3.2 * len(parts))
     axes = figure.subplots(len(parts), 1, sharex=True, squeeze=False)[:, 0]
@@ -77,9 +79,17 @@ def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[f
     if bars:
         top = next(ax)
         width = 0.8 / len(bars)
+        faint = [layer in noise for layer in layers]
         for i, (name, values) in enumerate(bars.items()):
-            top.bar(np.asarray(layers) + (i - (len(bars) - 1) / 2) * width, values, width,
-                    label=name)
+            drawn = top.bar(np.asarray(layers) + (i - (len(bars) - 1) / 2) * width, values,
+                            width, label=name)
+            for bar, within in zip(drawn, faint, strict=True):
+                if within:
+                    bar.set_alpha(0.35)
+                    bar.set_hatch("//")
+        if any(faint):
+            top.bar([], [], color="0.6", alpha=0.35, hatch="//",
+                    label="within noise (95% interval includes 0)")
         top.set_ylabel("mean KL")
         top.legend()
         top.grid(True, axis="y", alpha=0.3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,8 +101,9 @@ def _wait_for(process: subprocess.Popen, marker: str) -> list[str]:
 
 
 def _long_run(model, out) -> list[str]:
+    # --weights copy: writing takes long enough (270 MB, fsynced) to kill a rank meanwhile.
     return ["run", "--model", str(model), "--output", str(out), "--dataset", "builtin",
-            "--num-samples", "16", "--max-seq-len", "256"]
+            "--num-samples", "16", "--max-seq-len", "256", "--weights", "copy"]
 
 
 def test_killing_a_rank_stops_the_launched_job(demo_model, tmp_path):
@@ -148,6 +150,8 @@ def test_without_a_launcher_the_surviving_rank_fails_alone(killed_at, demo_model
     assert ranks[1].wait() == -signal.SIGKILL
     assert time.monotonic() - killed < 300
     errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and "Connection closed by peer" in errors[0], stderr[-2000:]
+    # gloo names the lost peer as closed or reset, or a write to it as a broken pipe.
+    assert len(errors) == 1 and re.search(r"Connection (closed|reset) by peer|Broken pipe",
+                                          errors[0]), stderr[-2000:]
     assert "Traceback" not in stderr
     assert list(tmp_path.iterdir()) == []

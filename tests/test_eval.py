@@ -16,7 +16,7 @@ import peers
 from conftest import run_kvcalib
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.errors import UsageError
-from kvcalib.evaluation import CALIBRATED, E5M2, SCALE_ONE, evaluate
+from kvcalib.evaluation import CALIBRATED, E5M2, SCALE_ONE, Gates, evaluate
 
 SMALL = dict(num_samples=3, max_seq_len=96)
 
@@ -103,7 +103,7 @@ def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
 def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
     budget = 0.004
     result = evaluate(smol_attn_head, num_samples=2, max_seq_len=64, run_sweep=True,
-                      sweep_samples=2, max_kl=budget, log=lambda _: None)
+                      sweep_samples=2, gates=Gates(max_kl=budget), log=lambda _: None)
     sweep = result.sweep
     assert sweep["all_kl"] > budget  # the budget binds: some layers must be skipped
     rec = sweep["recommendation"]

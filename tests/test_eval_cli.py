@@ -146,6 +146,7 @@ def test_engine_cross_check(smol_attn_head, fp8_kv_supported, tmp_path):
                          timeout=1800)
     report = json.loads((tmp_path / "e.json").read_text())
     engine = report["engine"]
+    assert "capacity" in engine, (engine, result.stderr[-3000:])
     assert engine["capacity"]["ratio"] == pytest.approx(2.0, abs=0.1)
     if fp8_kv_supported:
         assert result.returncode == 0, result.stdout

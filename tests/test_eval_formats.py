@@ -19,6 +19,7 @@ from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.evaluation import (
     CALIBRATED,
     FormatRow,
+    Gates,
     evaluate,
     format_names,
     meets_gates,
@@ -144,8 +145,8 @@ def test_recommendation_follows_the_gates(formats_eval):
     rows = [FormatRow(**row) for row in formats_eval.formats["rows"]]
     kl = {row.label: m[row.metrics_key].mean_kl if row.metrics_key else 0.0 for row in rows}
     for threshold in sorted(set(kl.values())):
-        gated = [dataclasses.replace(row, meets_gates=meets_gates(row, m, None, threshold,
-                                                                    None, None))
+        gated = [dataclasses.replace(row, meets_gates=meets_gates(row, m, None,
+                                                                    Gates(max_kl=threshold)))
                  for row in rows]
         allowed = [row for row in rows if kl[row.label] <= threshold]
         most = max(row.tokens_at_budget for row in allowed)
@@ -158,9 +159,10 @@ def test_recommendation_follows_the_gates(formats_eval):
                for row in rows}
     limit = sorted(changes.values())[len(changes) // 2]
     for row in rows:
-        assert meets_gates(row, m, None, None, limit, None) == (changes[row.label] <= limit)
+        gated = meets_gates(row, m, None, Gates(max_ppl_increase=limit))
+        assert gated == (changes[row.label] <= limit)
     # A passkey gate without passkey results fails every row; no gate: no recommendation.
-    assert not any(meets_gates(row, m, None, None, None, 0.5) for row in rows)
+    assert not any(meets_gates(row, m, None, Gates(min_passkey=0.5)) for row in rows)
     assert recommend(rows, m) is None
 
 
