@@ -94,6 +94,8 @@ KiviGroupSize = Annotated[int, typer.Option(
     min=1, help="KIVI group: tokens per key group, channels per value group.")]
 KiviResidual = Annotated[int, typer.Option(
     min=0, help="KIVI: most recent tokens kept in 16 bits.")]
+
+
 def _comma_separated(values: list[str] | None) -> list[str]:
     """A repeatable option that also takes commas: `--x 1,2 --x 3` is ["1", "2", "3"]."""
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]

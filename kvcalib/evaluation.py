@@ -803,9 +803,9 @@ def _kivi_bytes(ckpt: Path, kivi: capacity.Kivi, tokens: int) -> dict[str, Any]:
     """Real bytes per token of each format for requests as long as the eval's samples."""
     est = capacity.from_config(checkpoint.load_config(ckpt), context_length=tokens, kivi=kivi)
     per_token = {f.name: f.request_bytes / tokens for f in est.formats}
-    kivi = next(f for f in est.formats if f.name == "kivi2")
+    kivi2 = next(f for f in est.formats if f.name == "kivi2")
     return {"tokens": tokens, "kivi": per_token["kivi2"], "fp8": per_token["fp8"],
-            "16bit": per_token[est.dtype], "kivi_long_context": kivi.bytes_per_token}
+            "16bit": per_token[est.dtype], "kivi_long_context": kivi2.bytes_per_token}
 
 
 def _engine_cross_check(ckpt: Path, samples: data.Samples, found: StaticScales,
@@ -838,8 +838,7 @@ def _engine_cross_check(ckpt: Path, samples: data.Samples, found: StaticScales,
 def _gates(result: EvalResult, main: str, gates: Gates) -> list[Check]:
     checks = [Check("note", WARN, note) for note in result.notes]
     if result.formats is not None:  # the gates choose a format instead
-        checks += _recommendation_checks(result.formats, gates.min_passkey is not None
-                                         and result.passkey is None)
+        checks += _recommendation_checks(result.formats, gates, result.passkey is None)
     else:
         checks += _main_gates(result, main, gates)
     if result.sweep and "recommendation" in result.sweep:
@@ -888,11 +887,12 @@ def _main_gates(result: EvalResult, main: str, gates: Gates) -> list[Check]:
     return checks
 
 
-def _recommendation_checks(formats: dict[str, Any], no_passkey: bool) -> list[Check]:
+def _recommendation_checks(formats: dict[str, Any], gates: Gates, no_passkey: bool
+                           ) -> list[Check]:
     """With gates: pass when a quantized format meets them on the target, else fail."""
-    if not Gates(**formats["gates"]).any_set:
+    if not gates.any_set:
         return []
-    if no_passkey:
+    if gates.min_passkey is not None and no_passkey:
         return [Check("gate", ERROR, "--min-passkey needs --passkey-lengths")]
     best = formats["recommendation"]
     where = f" on {formats['target']}" if formats["target"] else ""
