@@ -52,6 +52,7 @@ from kvcalib import (
 )
 from kvcalib import weights as weight_files
 from kvcalib.errors import CheckFailed, UsageError
+from kvcalib.kvcheckpoint import Checkpoint, open_model
 from kvcalib.kvformats import E4M3_MAX
 from kvcalib.schema import REPORT_FILE, REPORT_SCHEMA_VERSION
 
@@ -121,8 +122,8 @@ def calibrate(
         checked = preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
                             max_seq_len=max_seq_len, num_samples=num_samples, ranks=ranks,
                             scheme=scheme)
-        model_dir, config, compute, plan = (checked.model_dir, checked.config, checked.compute,
-                                            checked.memory)
+        source, compute, plan = checked.source, checked.compute, checked.memory
+        model_dir, config = source.folder, source.config
         input_quant = checked.input_quantization
         log(f"Loading {model_dir}" + (f" on {ranks.world_size} ranks ({ranks.backend})"
                                       if ranks.world_size > 1 else ""))
@@ -204,7 +205,7 @@ def calibrate(
             log(f"Writing {checked.target}")
             with checkpoint.atomic_output_dir(checked.target, overwrite) as tmp:
                 if scheme is None:
-                    write_checkpoint(tmp, model_dir, scales, quant_config,
+                    write_checkpoint(tmp, source, scales, quant_config,
                                      _recipe_yaml(modifier), weights=checked.placement[0])
                 else:
                     written = write_quantized_checkpoint(tmp, model_dir, torch_model, scales,
@@ -260,9 +261,8 @@ def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: 
 class Preflight:
     """What is known before anything is loaded (see `preflight`)."""
 
-    model_dir: Path
+    source: Checkpoint  # the input model's config and tensor index
     target: Path
-    config: dict[str, Any]
     placement: tuple[str, str]  # weights mode, and why
     compute: dict[str, str]
     memory: memory.Plan | None
@@ -280,8 +280,8 @@ def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: s
     target = Path(output)
     if ranks.writer:
         target = checkpoint.check_output_target(target, model_dir, overwrite)
-    config = _check_causal_lm(model_dir)
-    input_quant = weight_schemes.input_quantization(model_dir, config)
+    source = open_model(model_dir, _check_causal_lm(model_dir))
+    input_quant = weight_schemes.input_quantization(model_dir, source.config)
     if scheme is not None and input_quant is not None:
         raise UsageError(f"--scheme quantizes the weights of an unquantized checkpoint, and "
                          f"{model_dir} is already weight-quantized; leave out --scheme to "
@@ -294,13 +294,12 @@ def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: s
         placement = weight_files.choose(weights, [model_dir / name for name in
                                                   checkpoint.weight_files(model_dir)],
                                         target.parent)
-    compute = _compute_settings(model_dir, dtype)
+    compute = _compute_settings(source, dtype)
     if not plan_memory:
-        return Preflight(model_dir, target, config, placement, compute, None, input_quant)
+        return Preflight(source, target, placement, compute, None, input_quant)
     device = _device(compute)
     per_rank = -(-num_samples // ranks.world_size)  # at most this many samples per rank
-    plan = memory.plan(pipeline, memory.estimate(model_dir, config, compute["dtype"],
-                                                 max_seq_len, per_rank),
+    plan = memory.plan(pipeline, memory.estimate(source, compute["dtype"], max_seq_len, per_rank),
                        memory.available(device, ranks.local_world_size), device)
     if (plan.pipeline == "sequential" and device != "cpu"
             and ranks.world_size > ranks.local_world_size):
@@ -308,7 +307,7 @@ def preflight(model: str | Path, output: str | Path, overwrite: bool, weights: s
                          "llm-compressor 0.14.0.1 onloads layers to cuda:<global rank> "
                          "(utils/dev.py get_main_device), a GPU the other nodes lack; "
                          "use --pipeline basic (the model must fit one GPU) or one node")
-    return Preflight(model_dir, target, config, placement, compute, plan, input_quant)
+    return Preflight(source, target, placement, compute, plan, input_quant)
 
 
 def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
@@ -344,13 +343,13 @@ def _load_tokenizer(model_dir: Path):
         raise UsageError(f"cannot load the tokenizer of {model_dir}: {first_line}") from None
 
 
-def _compute_settings(model_dir: Path, dtype: str) -> dict[str, str]:
+def _compute_settings(source: Checkpoint, dtype: str) -> dict[str, str]:
     """Device and compute dtype; bf16/fp16 matmuls without native CPU support run several
     times slower than fp32, so `auto` computes in float32 there."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    stored = _checkpoint_dtype(model_dir)
+    stored = _checkpoint_dtype(source)
     if dtype == "auto":
         native_half = device == "cuda" or torch.cpu._is_avx512_bf16_supported()
         dtype = stored if native_half or stored == "float32" else "float32"
@@ -385,15 +384,15 @@ def _load_model(model_dir: Path, dtype: str, device: str, options: dict[str, Any
     return model
 
 
-def _checkpoint_dtype(model_dir: Path) -> str:
+def _checkpoint_dtype(source: Checkpoint) -> str:
     """The floating dtype most weight bytes are stored in; scales are saved in it."""
     names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
     sizes: dict[str, int] = {}
-    for info in checkpoint.tensor_index(model_dir).values():
+    for info in source.tensors.values():
         if info.dtype in names:
             sizes[info.dtype] = sizes.get(info.dtype, 0) + info.end - info.start
     if not sizes:
-        raise UsageError(f"{model_dir} has no bf16, fp16 or fp32 weights to calibrate")
+        raise UsageError(f"{source.folder} has no bf16, fp16 or fp32 weights to calibrate")
     return names[max(sizes, key=sizes.get)]
 
 
@@ -660,7 +659,7 @@ def _quantization_config(model, compressed: bool = False) -> dict[str, Any]:
     return result
 
 
-def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
+def write_checkpoint(out: Path, source: Checkpoint, scales: dict[str, Any],
                      quant_config: dict[str, Any], recipe_yaml: str,
                      weights: str = "copy") -> None:
     """Copy the input checkpoint into `out`, add the scales, and point config and index at them.
@@ -670,12 +669,12 @@ def write_checkpoint(out: Path, model_dir: Path, scales: dict[str, Any],
     """
     from safetensors.torch import save_file
 
-    weight_map = copy_weights(out, model_dir, weights=weights)
+    weight_map = copy_weights(out, source.folder, weights=weights)
     save_file({k: v.contiguous() for k, v in scales.items()}, out / SCALES_FILE,
               metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(scales, SCALES_FILE))
     write_index(out, weight_map)
-    write_config(out, model_dir, quant_config)
+    write_config(out, source.config, quant_config)
     (out / "recipe.yaml").write_text(recipe_yaml)
 
 
@@ -748,10 +747,9 @@ def write_index(out: Path, weight_map: dict[str, str]) -> None:
     (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_config(out: Path, model_dir: Path, quant_config: dict[str, Any]) -> None:
-    """The input's config.json with `quant_config` as its quantization_config."""
-    config = checkpoint.load_config(model_dir)
-    config["quantization_config"] = quant_config
+def write_config(out: Path, config: dict[str, Any], quant_config: dict[str, Any]) -> None:
+    """The input's `config` with `quant_config` as its quantization_config."""
+    config = {**config, "quantization_config": quant_config}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

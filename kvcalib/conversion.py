@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import calibration, checkpoint, layouts, verification
-from kvcalib.checks import FAIL
+from kvcalib import calibration, checkpoint, layouts
+from kvcalib.checks import FAIL, WARN
 from kvcalib.errors import UsageError
+from kvcalib.kvcheckpoint import Checkpoint, open_checkpoint
 from kvcalib.schema import REPORT_FILE
 
 TARGETS = tuple(layouts.SCALE_NAMES)
@@ -58,10 +59,10 @@ def convert(source: str | Path, to: str, output: str | Path,
     if to not in TARGETS:
         raise UsageError(f"unknown format {to!r}; convert writes {', '.join(TARGETS)}")
     folder = Path(source)
-    checks, found = verification.static_checks(folder)  # a missing folder is a UsageError
-    scheme, tensors = _convertible(folder, checks, found, to)
+    ckpt, checks = open_checkpoint(folder)  # a missing folder is a UsageError
+    scheme = _convertible(ckpt, checks, to)
     target = checkpoint.check_output_target(Path(output), folder, overwrite)
-    notes = [c.message for c in verification.measurement_notes(found)]
+    notes = [c.message for c in checks if c.group == "measurement" and c.status == WARN]
     strategy = scheme.strategy if to == "compressed-tensors" else "tensor"
     if strategy != scheme.strategy:
         notes.append(f"{scheme.strategy} scales became per-tensor ones, the largest head's: "
@@ -73,30 +74,30 @@ def convert(source: str | Path, to: str, output: str | Path,
         notes.append(f"{' and '.join(left_out)} (the source's calibration) were left out")
     dtype = SCALE_DTYPES[to]
     if dtype == "model":
-        dtype = SAFETENSORS_DTYPES.get(found.geometry.dtype, "F32")
+        dtype = SAFETENSORS_DTYPES.get(ckpt.geometry.dtype, "F32")
     scales = {name: (dtype, shape, _encode(values, dtype)) for name, (shape, values) in
-              _target_scales(found, tensors, to, strategy).items()}
+              _target_scales(ckpt, to, strategy).items()}
     with checkpoint.atomic_output_dir(target, overwrite) as tmp:
         weight_map = calibration.copy_weights(tmp, folder, leave_out=(
             layouts.MODELOPT_LEGACY_FILE,))
         checkpoint.write_tensors(tmp / calibration.SCALES_FILE, scales)
         weight_map.update(dict.fromkeys(scales, calibration.SCALES_FILE))
         calibration.write_index(tmp, weight_map)
-        calibration.write_config(tmp, folder, _quantization_config(to, strategy, tensors))
+        calibration.write_config(tmp, ckpt.config,
+                                 _quantization_config(to, strategy, ckpt.tensors))
     return Conversion(str(folder.resolve()), str(target), scheme.layout, to, strategy,
                       {name: _decode(raw, dtype).tolist()
                        for name, (dtype, _, raw) in scales.items()}, notes)
 
 
-def _convertible(folder: Path, checks: list, found: verification.StaticScales, to: str,
-                 ) -> tuple[layouts.KvScheme, dict[str, checkpoint.TensorInfo]]:
-    """The source's scheme and tensors, once its KV scales are known readable and its
-    weights plain."""
+def _convertible(ckpt: Checkpoint, checks: list, to: str) -> layouts.KvScheme:
+    """The source's scheme, once its KV scales are known readable and its weights plain."""
+    folder = ckpt.folder
     failed = {c.group: c.message for c in reversed(checks) if c.status == FAIL}
     for group in ("config", "weights", "layers"):
         if group in failed:
             raise UsageError(f"cannot convert {folder}: {failed[group]}")
-    scheme = found.scheme
+    scheme = ckpt.scheme
     if scheme is None:
         reason = failed.get("scheme", "it declares no KV-cache quantization")
         raise UsageError(f"{folder} has no KV scales to convert: {reason}")
@@ -110,24 +111,24 @@ def _convertible(folder: Path, checks: list, found: verification.StaticScales, t
                          f"({scheme.declared}); convert moves FP8 scales only")
     if "scales" in failed:
         raise UsageError(f"{folder}: its KV scales do not pass verify: {failed['scales']}")
-    tensors = checkpoint.tensor_index(folder)
-    quantized = layouts.quantized_weights(tensors)
+    quantized = layouts.quantized_weights(ckpt.tensors)
     if quantized:
         raise UsageError(f"{folder} has quantized weights (e.g. {quantized[0]}); one "
                          "quantization_config describes weights and KV cache in one format, "
                          "and convert rewrites only the KV part, so it converts checkpoints "
                          "whose weights are not quantized")
-    return scheme, tensors
+    return scheme
 
 
-def _target_scales(found: verification.StaticScales, tensors: dict[str, checkpoint.TensorInfo],
-                   to: str, strategy: str) -> dict[str, tuple[tuple[int, ...], np.ndarray]]:
+def _target_scales(ckpt: Checkpoint, to: str, strategy: str
+                   ) -> dict[str, tuple[tuple[int, ...], np.ndarray]]:
     """name -> (shape, values) of every k and v scale in the target's naming."""
-    modules = {scale.layer: scale.module for scale in layouts.find_scales(tensors)[0]}
+    modules = {scale.layer: scale.module for scale in layouts.find_scales(ckpt.tensors)[0]}
     scales = {}
-    for (layer, kind), values in sorted(found.values.items()):
+    for (layer, kind), scale in ckpt.scales.items():
         if kind not in ("k", "v"):
             continue
+        values = scale.values
         name = layouts.SCALE_NAMES[to].format(module=modules[layer], kind=kind)
         if strategy == "attn_head":
             scales[name] = ((values.size, 1, 1), values)

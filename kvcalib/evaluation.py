@@ -47,8 +47,8 @@ from kvcalib import (
 )
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.errors import UsageError
-from kvcalib.schema import CalibrationReport, load_report
-from kvcalib.verification import StaticScales, scale_checks, static_checks
+from kvcalib.kvcheckpoint import Checkpoint, KvScales, open_checkpoint, scale_checks
+from kvcalib.schema import CalibrationReport
 
 CALIBRATED, SCALE_ONE, E5M2 = "calibrated (e4m3)", "scale 1.0 (e4m3)", "scale 1.0 (e5m2)"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
@@ -128,7 +128,7 @@ def _stderr(message: str) -> None:
 # ----- loading ----- #
 
 
-def load_model(ckpt: Path, dtype: str):
+def load_model(ckpt: Checkpoint, dtype: str):
     """The checkpoint's model without its KV quantization (quantsim simulates it);
     quantized weights are decompressed to their quantized values (kvcalib.weight_schemes)."""
     import torch
@@ -137,8 +137,8 @@ def load_model(ckpt: Path, dtype: str):
 
     from kvcalib import weight_schemes
 
-    config = AutoConfig.from_pretrained(ckpt)
-    weight_quant = weight_schemes.input_quantization(ckpt, checkpoint.load_config(ckpt))
+    config = AutoConfig.from_pretrained(ckpt.folder)  # transformers' own config object
+    weight_quant = weight_schemes.input_quantization(ckpt.folder, ckpt.config)
     if weight_quant is not None:
         config.quantization_config = {**weight_quant, "kv_cache_scheme": None}
     elif hasattr(config, "quantization_config"):
@@ -146,33 +146,23 @@ def load_model(ckpt: Path, dtype: str):
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # the scale tensors are "unexpected keys": expected here
     try:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, config=config,
+        model = AutoModelForCausalLM.from_pretrained(ckpt.folder, config=config,
                                                      dtype=getattr(torch, dtype),
                                                      **weight_schemes.load_options(weight_quant))
-        tokenizer = AutoTokenizer.from_pretrained(ckpt)
+        tokenizer = AutoTokenizer.from_pretrained(ckpt.folder)
     except Exception as exc:  # transformers raises many types for unloadable models
-        raise UsageError(f"cannot load {ckpt}: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"cannot load {ckpt.folder}: {str(exc).splitlines()[0]}") from None
     finally:
         logging.set_verbosity(verbosity)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
-        raise UsageError(f"{ckpt}: the tokenizer has {len(tokenizer)} tokens but the model's "
-                         f"embedding only {vocab}: tokenizer and model do not match")
+        raise UsageError(f"{ckpt.folder}: the tokenizer has {len(tokenizer)} tokens but the "
+                         f"model's embedding only {vocab}: tokenizer and model do not match")
     quantsim.install(model)
     return model.eval(), tokenizer
 
 
-def scales_of(found: StaticScales) -> dict[int, dict[str, Any]]:
-    import torch
-
-    scales: dict[int, dict[str, Any]] = {}
-    for (layer, kind), values in found.values.items():
-        scales.setdefault(layer, {})[kind] = torch.tensor(values, dtype=torch.float32)
-    return scales
-
-
-def load_scales(path: Path, like: StaticScales,
-                notes: list[str]) -> tuple[dict[int, dict[str, Any]], str]:
+def load_scales(path: Path, like: Checkpoint, notes: list[str]) -> tuple[KvScales, str]:
     """Scales of another checkpoint of the same model in any layout verify reads, or a
     .safetensors file of scales, validated as `verify` validates a checkpoint's, and that
     checkpoint's layout. Whether vLLM would load that checkpoint (its scheme check) is
@@ -180,7 +170,7 @@ def load_scales(path: Path, like: StaticScales,
     if path.is_file():
         checks, found = _scales_file(path, like)
     else:
-        checks, found = static_checks(path)
+        found, checks = open_checkpoint(path)
         if found.scheme is None:
             why = next((c.message for c in checks if c.status == FAIL), "")
             raise UsageError(f"--compare {path}: no KV scales to compare: {why}")
@@ -198,10 +188,10 @@ def load_scales(path: Path, like: StaticScales,
                          f"({len(theirs.attention_layers)} attention layers, {theirs.num_kv_heads}"
                          f" KV heads; this model has {len(mine.attention_layers)} and "
                          f"{mine.num_kv_heads})")
-    return scales_of(found), found.scheme.layout
+    return found.scales, found.scheme.layout
 
 
-def _scales_file(path: Path, like: StaticScales) -> tuple[list[Check], StaticScales]:
+def _scales_file(path: Path, like: Checkpoint) -> tuple[list[Check], Checkpoint]:
     """k/v(/q) scales named as in a checkpoint, checked against this model's shape; their
     strategy (per tensor or per head) is what the file holds."""
     if like.geometry is None:
@@ -210,10 +200,10 @@ def _scales_file(path: Path, like: StaticScales) -> tuple[list[Check], StaticSca
     per_head = any(math.prod(s.info.shape) > 1 for s in scales if s.kind != "q")
     scheme = layouts.KvScheme("scales file", strategy="attn_head" if per_head else "tensor",
                               quantizes_query=any(s.kind == "q" for s in scales))
-    found = StaticScales(scheme, like.geometry)
     checks = [Check("scales", FAIL, f"{name}: a second scale for the same layer and kind")
               for name in duplicates]
-    return checks + scale_checks(scales, found), found
+    more, valid = scale_checks(scales, scheme, like.geometry)
+    return checks + more, Checkpoint(path, geometry=like.geometry, scheme=scheme, scales=valid)
 
 
 # ----- held-out text ----- #
@@ -479,18 +469,18 @@ def nvfp4_scales(own: dict[int, dict[str, Any]], kv_cache_dtype: str) -> dict[in
         if kind in ("k", "v")} for layer, kinds in own.items()}
 
 
-def plan_formats(names: list[str], ckpt: Path, found: StaticScales,
-                 own: dict[int, dict[str, Any]], kinds: tuple[str, ...], rounding: str,
+def plan_formats(names: list[str], ckpt: Checkpoint, own: dict[int, dict[str, Any]],
+                 kinds: tuple[str, ...], rounding: str,
                  budget: int, block_size: int, context: int, target: str | None,
                  known: dict[tuple[str, str], str]
                  ) -> tuple[list[FormatRow], dict[str, quantsim.Simulation]]:
     """The rows, sized by kvcalib.capacity (vLLM's page accounting), and the simulations
     still to score: static formats with the checkpoint's scales and at 1.0, except the FP8
     configurations `known` already scores ((element type, scales) -> metrics key)."""
-    est = capacity.from_config(checkpoint.load_config(ckpt), context_length=context,
-                               budget=budget, block_size=block_size, formats=names)
+    est = capacity.from_config(ckpt.config, context_length=context, budget=budget,
+                               block_size=block_size, formats=names)
     sizes = dict(zip(names, est.formats, strict=True))
-    shape = found.geometry
+    shape = ckpt.geometry
     kv_shape = kvformats.Geometry(est.num_kv_heads, est.head_dim, est.dtype,
                                   mla=est.mla_latent_dim is not None)
     hybrid = any(layer.kind == "none" and layer.block_type not in ("mlp", "moe")
@@ -670,27 +660,27 @@ def evaluate(
     if batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
     choices.check("dtype", dtype, choices.EvalDtype)
-    checks, found = static_checks(ckpt)
+    opened, checks = open_checkpoint(ckpt)
     unreadable = [c.message for c in checks if c.status == FAIL
                   and c.group in ("config", "weights", "layers")]
     if unreadable:
         raise UsageError(f"cannot evaluate {ckpt}: {unreadable[0]}")
-    report = load_report(ckpt)  # validated before the slow model load
+    report = opened.report  # validated before the slow model load
     notes = []
     bad_scales = [c.message for c in checks if c.status == FAIL]
-    own = {} if bad_scales else scales_of(found)
+    own = {} if bad_scales else opened.scales.to_torch()
     if not own:
         why = f"its scales fail verify ({bad_scales[0]})" if bad_scales else "it has no KV scales"
         notes.append(f"the checkpoint's own scales are not evaluated: {why}; only the "
                      "scale-1.0 (E4M3) and E5M2 baselines are")
-    model, tokenizer = load_model(ckpt, dtype)
+    model, tokenizer = load_model(opened, dtype)
     samples = held_out(report, tokenizer, dataset, num_samples, max_seq_len, seed, notes)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_list = list(batches(samples, batch_size, pad))
 
     # Queries are quantized only where the checkpoint says so (FP8 attention backends),
     # then in every configuration alike.
-    kinds = ("k", "v", "q") if found.scheme and found.scheme.quantizes_query else ("k", "v")
+    kinds = opened.kinds
 
     def fp8(scales, fmt="e4m3") -> quantsim.Simulation:
         return quantsim.Simulation(fmt=fmt, rounding=rounding, scales=scales, kinds=kinds)
@@ -701,12 +691,12 @@ def evaluate(
     sims[SCALE_ONE] = fp8({})
     sims[E5M2] = fp8({}, "e5m2")
     if compare is not None:
-        scales, layout = load_scales(Path(compare), found, notes)
-        sims[f"compare: {Path(compare).name} ({layout}, e4m3)"] = fp8(scales)
+        scales, layout = load_scales(Path(compare), opened, notes)
+        sims[f"compare: {Path(compare).name} ({layout}, e4m3)"] = fp8(scales.to_torch())
     kivi_info = None
-    if kivi and found.geometry and found.geometry.head_dim % kivi.group_size:
+    if kivi and opened.geometry and opened.geometry.head_dim % kivi.group_size:
         raise UsageError(f"--kivi-group-size {kivi.group_size} must divide the head size "
-                         f"{found.geometry.head_dim}")
+                         f"{opened.geometry.head_dim}")
     if kivi:
         name = f"kivi 2-bit (G={kivi.group_size}, R={kivi.residual})"
         sims[name] = quantsim.Simulation(mode="kivi", kivi=kivi, count_clipping=False)
@@ -716,10 +706,10 @@ def evaluate(
     if names:
         known = {("e4m3", "calibrated"): CALIBRATED, ("e4m3", "scale 1.0"): SCALE_ONE,
                  ("e5m2", "scale 1.0"): E5M2}
-        rows, more = plan_formats(names, ckpt, found, own, kinds, rounding, budget_bytes,
+        rows, more = plan_formats(names, opened, own, kinds, rounding, budget_bytes,
                                   block_size, max_seq_len, target, known)
         sims.update(more)
-    layers = found.geometry.attention_layers if found.geometry else []
+    layers = opened.geometry.attention_layers if opened.geometry else []
     lengths = passkey_lengths or []
     context = model.config.get_text_config().max_position_embeddings
     if any(length > context for length in lengths):
@@ -749,20 +739,21 @@ def evaluate(
                                  bar.update)
             sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
     if kivi_info:
-        kivi_info["bytes_per_token"] = _kivi_bytes(ckpt, kivi, max(map(len, samples.token_ids)))
+        kivi_info["bytes_per_token"] = _kivi_bytes(opened.config, kivi,
+                                                   max(map(len, samples.token_ids)))
     result = EvalResult(
-        checkpoint=str(ckpt.resolve()),
+        checkpoint=str(opened.folder.resolve()),
         samples={**samples.dataset, "count": len(samples.token_ids), "tokens": samples.num_tokens,
                  "max_seq_len": max_seq_len, "dtype": dtype, "rounding": rounding,
                  "seconds": round(time.perf_counter() - started, 1)},
         reference_ppl=ref_ppl, metrics=metrics, notes=notes, passkey=passkey,
         sweep=sweep_result, kivi=kivi_info, verdict=_verdict(metrics) if own else "",
-        layer_scales=_layer_scales(found))
+        layer_scales=_layer_scales(opened))
     if rows:
         result.formats = _format_comparison(rows, result, main_name, gates, target,
                                             budget_bytes, block_size)
     if use_engine:
-        result.engine = _engine_cross_check(ckpt, samples, found, vllm_python, log_dir, log)
+        result.engine = _engine_cross_check(opened, samples, vllm_python, log_dir, log)
     result.checks = _gates(result, main_name, gates)
     return result
 
@@ -799,29 +790,30 @@ def _verdict(metrics: dict[str, Metrics]) -> str:
             f"({interval})")
 
 
-def _kivi_bytes(ckpt: Path, kivi: capacity.Kivi, tokens: int) -> dict[str, Any]:
+def _kivi_bytes(config: dict[str, Any], kivi: capacity.Kivi, tokens: int) -> dict[str, Any]:
     """Real bytes per token of each format for requests as long as the eval's samples."""
-    est = capacity.from_config(checkpoint.load_config(ckpt), context_length=tokens, kivi=kivi)
+    est = capacity.from_config(config, context_length=tokens, kivi=kivi)
     per_token = {f.name: f.request_bytes / tokens for f in est.formats}
     kivi2 = next(f for f in est.formats if f.name == "kivi2")
     return {"tokens": tokens, "kivi": per_token["kivi2"], "fp8": per_token["fp8"],
             "16bit": per_token[est.dtype], "kivi_long_context": kivi2.bytes_per_token}
 
 
-def _engine_cross_check(ckpt: Path, samples: data.Samples, found: StaticScales,
-                        vllm_python: str | None, log_dir: Path | None,
+def _engine_cross_check(ckpt: Checkpoint, samples: data.Samples, vllm_python: str | None,
+                        log_dir: Path | None,
                         log: Callable[[str], None]) -> dict[str, Any]:
     """vLLM prompt log-probs on the same token ids, with fp8 and with the model dtype."""
     try:
         python, _ = engine.resolve_vllm_python(vllm_python)
     except UsageError as exc:
         return {"error": str(exc)}
-    log_dir = Path(log_dir) if log_dir else Path("kvcalib-eval-logs") / ckpt.resolve().name
-    baseline = engine.unquantized_cache_dtype(found.geometry and found.geometry.dtype)
+    folder = ckpt.folder.resolve().name
+    log_dir = Path(log_dir) if log_dir else Path("kvcalib-eval-logs") / folder
+    baseline = engine.unquantized_cache_dtype(ckpt.geometry and ckpt.geometry.dtype)
     runs = {}
     for dtype in ("fp8", baseline):
         log(f"Starting vLLM with kv_cache_dtype={dtype}; log: {log_dir / f'vllm-{dtype}.log'}")
-        runs[dtype] = engine.run_probe(python, ckpt, dtype, log_dir / f"vllm-{dtype}.log",
+        runs[dtype] = engine.run_probe(python, ckpt.folder, dtype, log_dir / f"vllm-{dtype}.log",
                                        prompts=samples.token_ids, max_tokens=1,
                                        max_model_len=max(map(len, samples.token_ids)) + 8)
     fp8, base = runs["fp8"], runs[baseline]
@@ -904,12 +896,12 @@ def _recommendation_checks(formats: dict[str, Any], gates: Gates, no_passkey: bo
                   value=best)]
 
 
-def _layer_scales(found: StaticScales) -> dict[str, Any]:
+def _layer_scales(ckpt: Checkpoint) -> dict[str, Any]:
     """Largest k/v scale per attention layer (None where missing), for plots."""
-    layers = found.geometry.attention_layers if found.geometry else []
+    layers = ckpt.geometry.attention_layers if ckpt.geometry else []
     scales: dict[str, Any] = {"layers": layers}
     for kind in ("k", "v"):
-        scales[kind] = [float(np.max(found.values[(i, kind)])) if (i, kind) in found.values
+        scales[kind] = [float(np.max(scale.values)) if (scale := ckpt.scales.get(i, kind))
                         else None for i in layers]
     return scales
 

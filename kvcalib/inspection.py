@@ -20,15 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib import verification
 from kvcalib.checks import FAIL, WARN
 from kvcalib.errors import UsageError
+from kvcalib.kvcheckpoint import KINDS, KvScales, open_checkpoint
 from kvcalib.kvformats import E4M3_MAX
 from kvcalib.report import index_ranges, table
-from kvcalib.schema import REPORT_FILE, CalibrationReport, load_report
+from kvcalib.schema import REPORT_FILE, CalibrationReport
 
 DEFAULT_OUTLIER_RATIO = 4.0
-KINDS = ("k", "v", "q")
 
 
 @dataclass
@@ -70,30 +69,31 @@ def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) ->
     if outlier_ratio <= 1:
         raise UsageError(f"outlier ratio must be above 1, not {outlier_ratio}")
     folder = Path(folder)
-    checks, found = verification.static_checks(folder)
+    ckpt, checks = open_checkpoint(folder)
     problems = [c.message for c in checks if c.status == FAIL]
-    if found.scheme is None or not found.values:
+    if ckpt.scheme is None or not ckpt.scales:
         reason = problems[0] if problems else "no KV scale tensors were found"
         raise UsageError(f"{folder}: no KV scales to inspect: {reason}")
-    kinds = [k for k in KINDS if any(kind == k for _, kind in found.values)]
-    median = {k: float(np.median([v.max() for (_, kind), v in found.values.items()
-                                  if kind == k])) for k in kinds}
-    report = load_report(folder)
+    kinds = ckpt.scales.kinds()
+    median = {k: float(np.median([scale.values.max() for (_, kind), scale in
+                                  ckpt.scales.items() if kind == k])) for k in kinds}
+    report = ckpt.report
     seen = _seen_absmax(report)
     layers: dict[int, LayerScales] = {}
-    for (index, kind), values in sorted(found.values.items()):
+    for (index, kind), scale in ckpt.scales.items():
+        values = scale.values
         scales = KindScales(values.tolist(), (values * E4M3_MAX).tolist(),
                             (values / median[kind]).tolist(), _per_value(seen, index, kind,
                                                                          values.size))
         layers.setdefault(index, LayerScales(index)).kinds[kind] = scales
     if report is not None:
-        problems += _report_mismatches(report, found)
-    result = Inspection(str(folder.resolve()), found.scheme.layout, found.scheme.strategy,
+        problems += _report_mismatches(report, ckpt.scales)
+    result = Inspection(str(folder.resolve()), ckpt.scheme.layout, ckpt.scheme.strategy,
                         kinds, median, outlier_ratio, list(layers.values()), [],
                         _calibration(report), problems,
                         [c.message for c in checks if c.group == "measurement" and
                          c.status == WARN])
-    result.outliers = _outliers(result, found.dtypes)
+    result.outliers = _outliers(result, ckpt.scales)
     return result
 
 
@@ -115,19 +115,16 @@ def _per_value(seen: dict[tuple[int, str], list[float]], layer: int, kind: str,
     return [max(values)] if size == 1 else None
 
 
-def _report_mismatches(report: CalibrationReport, found: verification.StaticScales) -> list[str]:
+def _report_mismatches(report: CalibrationReport, stored: KvScales) -> list[str]:
     """A report from another run (or an edited checkpoint) must not be read as this one's."""
     wrong = []
-    for entry in report.layers:
-        for kind in KINDS:
-            stored = found.values.get((entry.layer, kind))
-            reported = getattr(entry, f"{kind}_scale")
-            if stored is None or reported is None:
-                continue
-            rtol = verification.storage_rtol(found.dtypes.get((entry.layer, kind)))
-            reported = np.asarray(reported, dtype=np.float64)
-            if reported.shape != stored.shape or not np.allclose(reported, stored, rtol=rtol):
-                wrong.append(f"layer {entry.layer} {kind}")
+    for (layer, kind), reported in KvScales.from_report(report).items():
+        scale = stored.get(layer, kind)
+        if scale is None:
+            continue
+        if reported.values.shape != scale.values.shape or not np.allclose(
+                reported.values, scale.values, rtol=scale.rtol):
+            wrong.append(f"layer {layer} {kind}")
     if not wrong:
         return []
     return [f"{REPORT_FILE} disagrees with the scale tensors at {len(wrong)} scales "
@@ -142,13 +139,13 @@ def _calibration(report: CalibrationReport | None) -> dict[str, Any] | None:
     return report.model_dump(mode="json", include=keys)
 
 
-def _outliers(result: Inspection, dtypes: dict[tuple[int, str], str]) -> list[dict[str, Any]]:
+def _outliers(result: Inspection, stored: KvScales) -> list[dict[str, Any]]:
     found = []
     per_head = result.strategy == "attn_head"
     for layer in result.layers:
         for kind, scales in layer.kinds.items():
             # A stored scale may round down by one step of its dtype below absmax / 448.
-            rtol = 2 * verification.storage_rtol(dtypes.get((layer.layer, kind)))
+            rtol = 2 * stored.get(layer.layer, kind).rtol
             for head, (scale, ratio) in enumerate(zip(scales.scale, scales.ratio, strict=True)):
                 where = {"layer": layer.layer, "kind": kind, "head": head if per_head else None,
                          "scale": scale, "ratio": ratio}

@@ -72,6 +72,12 @@ class KvScheme:
     fp8: bool = True
     pre_rope: bool = False
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The scales each attention layer carries: k and v, and q where queries are
+        quantized too (FP8 attention)."""
+        return ("k", "v", "q") if self.quantizes_query else ("k", "v")
+
 
 @dataclass(frozen=True)
 class ScaleTensor:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from kvcalib import checkpoint, geometry
+from kvcalib import geometry
 from kvcalib.capacity import parse_budget, size
 from kvcalib.errors import UsageError
+from kvcalib.kvcheckpoint import Checkpoint
 
 DEVICE_MEMORY_ENV = "KVCALIB_DEVICE_MEMORY"
 FIT = 0.8  # use at most this share of what is free: the activations are estimates
@@ -53,13 +52,12 @@ class Need:
         return self.weights + self.activations + RUNTIME
 
 
-def estimate(model_dir: Path, config: dict[str, Any], compute_dtype: str, max_seq_len: int,
-             samples: int) -> Need:
+def estimate(model: Checkpoint, compute_dtype: str, max_seq_len: int, samples: int) -> Need:
     """What one rank needs for `samples` samples of up to `max_seq_len` tokens."""
     element = _BYTES[compute_dtype]
     per_layer: dict[int, int] = defaultdict(int)
     weights = 0
-    for name, info in checkpoint.tensor_index(model_dir).items():
+    for name, info in model.tensors.items():
         stored = info.end - info.start
         if name.endswith(".weight_packed"):
             stored = stored // 4 * PACKED_PER_INT32 * element
@@ -69,7 +67,7 @@ def estimate(model_dir: Path, config: dict[str, Any], compute_dtype: str, max_se
         layer = geometry.layer_number(name)
         if layer is not None:
             per_layer[layer] += stored
-    cfg = geometry.text_config(config)
+    cfg = geometry.text_config(model.config)
     hidden = int(cfg.get("hidden_size") or 0)
     heads = int(cfg.get("num_attention_heads") or 0)
     intermediate = int(cfg.get("intermediate_size") or 4 * hidden)

@@ -200,6 +200,7 @@ def output_step(model_dir: Path, target: Path, mode: str) -> tuple[float, int]:
     """Seconds and bytes written by run's output step, with every scale a new tensor."""
     from kvcalib.calibration import write_checkpoint
     from kvcalib.checkpoint import atomic_output_dir
+    from kvcalib.kvcheckpoint import open_model
 
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     scales = {f"model.layers.{i}.self_attn.{kind}_scale": torch.full((8, 1, 1), 0.01,
@@ -207,7 +208,7 @@ def output_step(model_dir: Path, target: Path, mode: str) -> tuple[float, int]:
               for i in range(80) for kind in "kv"}
     written, started = bytes_written(), time.perf_counter()
     with atomic_output_dir(target) as tmp:
-        write_checkpoint(tmp, model_dir, scales, config, "# recipe\n", weights=mode)
+        write_checkpoint(tmp, open_model(model_dir), scales, config, "# recipe\n", weights=mode)
     return time.perf_counter() - started, bytes_written() - written
 
 

@@ -32,8 +32,8 @@ from kvcalib import kvformats, quantsim
 from kvcalib.calibration import calibrate
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.demo_model import prepare_demo_model
-from kvcalib.evaluation import batches, load_model, scales_of, sweep
-from kvcalib.verification import static_checks
+from kvcalib.evaluation import batches, load_model, sweep
+from kvcalib.kvcheckpoint import open_checkpoint
 
 
 def forward_seconds(model, batch_list, simulation) -> float:
@@ -99,19 +99,19 @@ def main() -> None:
         ckpt = calibrate(prepare_demo_model(), Path(tmp) / "ckpt", strategy="attn_head",
                          dataset=DatasetSpec("builtin"), num_samples=8, max_seq_len=256,
                          log=lambda _: None).output
-        model, tokenizer = load_model(ckpt, "float32")
+        opened, _ = open_checkpoint(ckpt)
+        model, tokenizer = load_model(opened, "float32")
         samples = select_samples(DatasetSpec("builtin"), tokenizer, args.num_samples,
                                  args.max_seq_len, seed=1)
         batch_list = list(batches(samples, 1, 0))
-        _, found = static_checks(ckpt)
-        simulation = quantsim.Simulation(scales=scales_of(found))
+        simulation = quantsim.Simulation(scales=opened.scales.to_torch())
         # The baseline is the model as transformers loads it, without kvcalib's routing.
         untouched = AutoModelForCausalLM.from_pretrained(prepare_demo_model(),
                                                          dtype=torch.float32).eval()
         plain = forward_seconds(untouched, batch_list, None)
         simulated = forward_seconds(model, batch_list, simulation)
-        layers = found.geometry.attention_layers
-        sims = format_simulations(simulation.scales, layers, found.geometry.num_layers)
+        layers = opened.geometry.attention_layers
+        sims = format_simulations(simulation.scales, layers, opened.geometry.num_layers)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in sims}
         for _ in range(args.repeats):
             for name, sim in sims.items():

@@ -25,10 +25,9 @@ from kvcalib.evaluation import (
     meets_gates,
     nvfp4_scales,
     recommend,
-    scales_of,
 )
+from kvcalib.kvcheckpoint import open_checkpoint
 from kvcalib.report import eval_summary
-from kvcalib.verification import static_checks
 
 FORMATS = ["int8_per_token_head", "turboquant_k8v4", "nvfp4", "fp8_e5m2"]
 GIB = 2**30
@@ -101,10 +100,10 @@ def test_kl_matches_an_independent_hook_path(formats_eval, smol_attn_head, demo_
 
 def test_nvfp4_global_scales_are_absmax_based(smol_attn_head, formats_eval):
     """ModelOpt's amax / (6 x 448) (four-over-six: / (6 x 256)); the FP8 scale is amax / 448."""
-    _, found = static_checks(smol_attn_head)
+    ckpt, _ = open_checkpoint(smol_attn_head)
     files = load_file(smol_attn_head / SCALES)
     for fmt, ceiling in (("nvfp4", 448), ("nvfp4_4over6", 256)):
-        got = nvfp4_scales(scales_of(found), fmt)
+        got = nvfp4_scales(ckpt.scales.to_torch(), fmt)
         for layer in (0, 17):
             fp8 = files[f"model.layers.{layer}.self_attn.k_scale"].float().max()
             assert float(got[layer]["k"]) == pytest.approx(float(fp8) * 448 / (6 * ceiling))

@@ -6,7 +6,6 @@ end on a tiny model with KVCALIB_DEVICE_MEMORY standing for a small device.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import defaultdict
@@ -18,14 +17,14 @@ from conftest import run_kvcalib
 from kvcalib import calibrate, memory
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
+from kvcalib.kvcheckpoint import open_model
 
 GiB = 2**30
 
 
 def test_estimate_counts_every_weight_in_the_compute_dtype(tiny_model):
     model = tiny_model("llama")
-    config = json.loads((model / "config.json").read_text())
-    need = memory.estimate(model, config, "float32", max_seq_len=64, samples=3)
+    need = memory.estimate(open_model(model), "float32", max_seq_len=64, samples=3)
     per_layer, total = defaultdict(int), 0
     with safe_open(model / "model.safetensors", "pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__

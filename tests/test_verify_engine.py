@@ -224,7 +224,7 @@ def test_shutdown_noise_after_the_answer_is_a_note(verify_readback, smol_attn_he
                                                     readback_dtype, tmp_path):
     """The good run above, with the traceback vLLM's shutdown really printed once
     (tests/logs/shutdown-nosuchprocess.log) after the answer: still a pass, and a note."""
-    from kvcalib import engine, verification
+    from kvcalib import engine, kvcheckpoint, verification
     from kvcalib.checks import exit_code
 
     run = verify_readback["report"]["engine"]["runs"][readback_dtype]
@@ -234,7 +234,7 @@ def test_shutdown_noise_after_the_answer_is_a_note(verify_readback, smol_attn_he
                    + noise[noise.index("Traceback"):])
     probe = engine.ProbeRun(readback_dtype, {"started": True, "scales": run["scales"]}, log,
                             engine.parse_log(log.read_text()), run["seconds"])
-    checks = verification._engine_checks(probe, verification.static_checks(smol_attn_head)[1])
+    checks = verification._engine_checks(probe, kvcheckpoint.open_checkpoint(smol_attn_head)[0])
     assert exit_code(checks) == 0
     assert [c.status for c in checks if c.group == "readback"] == ["pass"] * 60
     (note,) = [c for c in checks if c.group == "note"]

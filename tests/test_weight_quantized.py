@@ -166,10 +166,10 @@ def test_memory_plan_counts_decompressed_weights(name, demo_model, quantized_inp
     """Calibration holds the weights decompressed: as many bytes as the bf16 model's
     (plus the weight scales), not the compressed file's."""
     from kvcalib import memory
+    from kvcalib.kvcheckpoint import open_model
 
     def weight_bytes(folder: Path) -> int:
-        config = json.loads((folder / "config.json").read_text())
-        return memory.estimate(folder, config, "bfloat16", 16, 1).weights
+        return memory.estimate(open_model(folder), "bfloat16", 16, 1).weights
 
     ratio = weight_bytes(quantized_inputs[name]) / weight_bytes(demo_model)
     assert 1.0 <= ratio < 1.05, ratio

@@ -21,7 +21,7 @@ from kvcalib import calibrate, checkpoint, weights
 from kvcalib.calibration import write_checkpoint
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
-from kvcalib.verification import static_checks
+from kvcalib.kvcheckpoint import open_checkpoint, open_model
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_verify.py"
 
@@ -65,12 +65,12 @@ def test_output_step_writes_under_one_megabyte(mode, llama_70b, tmp_path):
     before = {f: f.stat() for f in files}
     stored, passed = _io("write_bytes"), _io("wchar")
     with checkpoint.atomic_output_dir(tmp_path / "out") as tmp:
-        write_checkpoint(tmp, llama_70b, scales, quant, "# recipe\n", weights=mode)
+        write_checkpoint(tmp, open_model(llama_70b), scales, quant, "# recipe\n", weights=mode)
     assert _io("write_bytes") - stored < 1_000_000
     if mode == "link":  # a clone's ioctl passes no bytes either; links pass none at all
         assert _io("wchar") - passed < 1_000_000
     out = tmp_path / "out"
-    checks, _ = static_checks(out)
+    _, checks = open_checkpoint(out)
     assert [c for c in checks if c.status != "pass"] == []
     for src in files:
         if src.name == "kv_scales.safetensors":  # the input's scales: rewritten
