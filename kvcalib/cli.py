@@ -361,29 +361,32 @@ def eval_command(
 ) -> None:
     """Measure what FP8 KV (or, with --formats, each vLLM KV format) costs in accuracy: KL,
     top-1, perplexity, passkey, per layer; with --formats, tokens at a budget too."""
+    from kvcalib import evaluation
     from kvcalib.data import DatasetSpec
-    from kvcalib.evaluation import Gates, evaluate, pareto_plot
-    from kvcalib.evaluation import plot as draw
     from kvcalib.report import eval_summary
 
-    if pareto and not formats:
-        raise UsageError("--pareto needs --formats")
-    spec = DatasetSpec(dataset, dataset_config, split, text_column) if dataset else None
-    result = evaluate(
-        checkpoint, dataset=spec, num_samples=num_samples, max_seq_len=max_seq_len, seed=seed,
-        batch_size=batch_size, dtype=dtype, rounding=rounding, compare=compare,
-        formats=_comma_separated([formats]) if formats else None, target=target,
-        budget=budget, block_size=block_size,
-        passkey_lengths=_numbers(passkey_lengths, int, "--passkey-lengths", 1),
-        passkey_depths=_numbers(passkey_depths, float, "--passkey-depths", 0, 1),
-        run_sweep=sweep, sweep_samples=sweep_samples,
+    for option, value in (("--pareto", pareto), ("--target", target)):
+        if value is not None and not formats:
+            raise UsageError(f"{option} needs --formats")
+    lengths = _numbers(passkey_lengths, int, "--passkey-lengths", 1)
+    depths = _numbers(passkey_depths, float, "--passkey-depths", 0, 1)
+    result = evaluation.evaluate(
+        checkpoint, dtype=dtype, rounding=rounding, compare=compare,
+        held_out=evaluation.HeldOut(
+            DatasetSpec(dataset, dataset_config, split, text_column) if dataset else None,
+            num_samples, max_seq_len, seed, batch_size),
+        formats=evaluation.Formats(_comma_separated([formats]), target, budget,
+                                   block_size) if formats else None,
+        passkey=evaluation.Passkey(lengths, depths or [0.5]) if lengths else None,
+        layer_sweep=evaluation.LayerSweep(sweep_samples) if sweep else None,
         kivi=Kivi(kivi_group or kivi_group_size, kivi_residual) if kivi else None,
-        gates=Gates(max_kl, max_ppl_increase, min_passkey), use_engine=engine,
-        vllm_python=vllm_python, log_dir=_beside(json_path), log=_info)
+        gates=evaluation.Gates(max_kl, max_ppl_increase, min_passkey),
+        engine_check=evaluation.EngineCheck(vllm_python, _beside(json_path)) if engine else None,
+        log=_info)
     if plot:
-        _info(f"Plot: {draw(result, plot)}")
+        _info(f"Plot: {evaluation.plot(result, plot)}")
     if pareto:
-        _info(f"Pareto plot: {pareto_plot(result, pareto)}")
+        _info(f"Pareto plot: {evaluation.pareto_plot(result, pareto)}")
     _output(json_path, result.to_dict(), eval_summary(result))
     raise typer.Exit(result.exit_code)
 

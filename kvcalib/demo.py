@@ -65,9 +65,10 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int,
     paths["verify report"] = output / "verify" / "verify.json"
 
     with _step("eval"):
-        measured = evaluation.evaluate(ckpt, num_samples=8, max_seq_len=256,
-                                       passkey_lengths=[1024], passkey_depths=[0.25, 0.75],
-                                       run_sweep=True, sweep_samples=2, log=log)
+        measured = evaluation.evaluate(
+            ckpt, held_out=evaluation.HeldOut(num_samples=8, max_seq_len=256),
+            passkey=evaluation.Passkey([1024], [0.25, 0.75]),
+            layer_sweep=evaluation.LayerSweep(samples=2), log=log)
         report.write_json(output / "eval.json", measured.to_dict())
         evaluation.plot(measured, output / "eval.png")
     show(report.eval_summary(measured))

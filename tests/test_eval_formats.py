@@ -19,7 +19,9 @@ from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.evaluation import (
     CALIBRATED,
     FormatRow,
+    Formats,
     Gates,
+    HeldOut,
     evaluate,
     format_names,
     meets_gates,
@@ -41,8 +43,8 @@ def tokens_in(budget: int, bytes_per_token: int) -> int:
 
 @pytest.fixture(scope="module")
 def formats_eval(smol_attn_head):
-    return evaluate(smol_attn_head, num_samples=3, max_seq_len=48, formats=FORMATS,
-                    budget="1GiB", log=lambda _: None)
+    return evaluate(smol_attn_head, held_out=HeldOut(num_samples=3, max_seq_len=48),
+                    formats=Formats(FORMATS, budget="1GiB"), log=lambda _: None)
 
 
 def _rows(result) -> dict[str, dict]:
