@@ -80,15 +80,25 @@ def test_kvcalib_per_head_scales_convert_to_modelopt(smol_attn_head, cache_dtype
 
 
 def _loads_and_reads_back(ckpt: Path, layout: str, cache_dtype: str, tmp_path: Path) -> None:
+    """vLLM starts on the checkpoint and reads back all 60 scales; where this CPU cannot
+    store an FP8 cache, vLLM loads ModelOpt and Quark scales nowhere, so the read-back is
+    'not proven' (exit 2), never a pass."""
     result = run_verify(ckpt, tmp_path, "--kv-cache-dtype", cache_dtype)
     report = result["report"]
-    assert result["returncode"] == 0, result["stdout"]
     assert report["scheme"]["layout"] == layout
     static = {(c["layer"], c["tensor"]): c["value"] for c in report["checks"]
               if c["group"] == "scales"}
-    readback = [c for c in report["checks"] if c["group"] == "readback"]
-    assert len(readback) == 60 and all(c["status"] == "pass" for c in readback)
     assert len(static) == 60
+    assert [c["status"] for c in report["checks"] if c["group"] == "engine"] == ["pass"]
+    readback = [c for c in report["checks"] if c["group"] == "readback"]
+    if cache_dtype == "fp8" or layout == "compressed-tensors":
+        assert result["returncode"] == 0, result["stdout"]
+        assert len(readback) == 60 and all(c["status"] == "pass" for c in readback)
+    else:
+        assert result["returncode"] == 2, result["stdout"]
+        assert [c["status"] for c in readback] == ["error"]
+        assert readback[0]["message"].startswith(f"not proven: vLLM loads {layout} KV scales "
+                                                 "only into an FP8 cache")
 
 
 def test_modelopt_to_compressed_tensors(tmp_path):

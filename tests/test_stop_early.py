@@ -46,11 +46,15 @@ def test_nothing_after_the_last_attention_runs(tiny_model):
 
 def test_scales_are_those_of_llm_compressor_on_the_whole_model(tiny_model, tmp_path):
     model_dir = tiny_model("qwen3")
-    out = calibrate(model_dir, tmp_path / "out", strategy="attn_head",
-                    dataset=DatasetSpec("builtin"), num_samples=4, max_seq_len=48,
-                    pipeline="basic", log=lambda _: None).output
+    result = calibrate(model_dir, tmp_path / "out", strategy="attn_head",
+                       dataset=DatasetSpec("builtin"), num_samples=4, max_seq_len=48,
+                       pipeline="basic", log=lambda _: None)
+    out = result.output
     token_ids = sample_token_ids(out)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+    # The dtype kvcalib computed in: the bf16 checkpoint's own where the CPU has bf16,
+    # else float32 (kvcalib's --dtype auto); the scales are saved in bf16 either way.
+    dtype = getattr(torch, result.report["compute"]["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
                                                  attn_implementation="eager")
     args = QuantizationArgs(num_bits=8, type="float", strategy="attn_head", dynamic=False,
                             symmetric=True, observer="static_minmax")
