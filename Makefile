@@ -28,6 +28,9 @@ $(TORCH_WHEEL):
 
 # Each clone has its own environments, hard-linked from uv's cache. A .venv or
 # .venv-serve link to a shared env (the old layout) is replaced, never synced into.
+# Bytecode is compiled once here: with PYTHONDONTWRITEBYTECODE set (as on these
+# machines) every process would otherwise recompile what it imports, 10-15 s each.
+export UV_COMPILE_BYTECODE := 1
 calib-env: $(UV) $(TORCH_WHEEL)
 	@if [ -L .venv ]; then rm .venv; fi
 	$(UV) sync --locked
