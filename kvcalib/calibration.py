@@ -7,7 +7,10 @@ module chooses what it gets wrong by default and writes the output itself:
   measured up to 42% low on SmolLM2 and clips the largest keys and values;
 - q_scale: llm-compressor 0.14.0.1 forces eager attention while calibrating, which
   bypasses compressed-tensors' hooked attention, so q is never observed and q_scale is
-  saved as uninitialized memory. `_observe_queries` keeps the hooked attention;
+  saved as uninitialized memory. `_calibration_attention` keeps the hooked attention;
+- attention: eager by default, as llm-compressor calibrates, so the scales are bit for bit
+  its own. `sdpa` (basic pipeline) skips materializing the S x S scores; it gives the
+  same scales in float32 and moves some by a few bf16 steps when computing in bf16;
 - output: the input's weight files are copied, cloned or linked (kvcalib.weights) and
   the scales are added in their own file, so every weight is bit-identical to the input;
 - our own hooks record each sample's absmax of every K/V/Q tensor in float32, so each
@@ -100,6 +103,7 @@ def calibrate(
     observer: str = "static_minmax",
     pipeline: str = "auto",
     dtype: str = "auto",
+    attention: str = "eager",
     weights: str = "auto",
     scheme: str | None = None,
     overwrite: bool = False,
@@ -113,7 +117,7 @@ def calibrate(
     and every rank returns the same report once the checkpoint is in place.
     """
     check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len,
-                  scheme)
+                  scheme, attention)
     dataset = dataset or data.DatasetSpec()
     started = time.perf_counter()
     with distributed.joined() as ranks:
@@ -137,28 +141,34 @@ def calibrate(
             log(f"Warning: llm-compressor averages {observer} statistics over the ranks, so "
                 f"the scales depend on the number of ranks ({ranks.world_size}); "
                 "static_minmax takes their maximum and does not")
+        if attention == "sdpa" and plan.pipeline == "sequential":
+            log("The sequential pipeline traces under eager attention: calibrating with "
+                "eager, not sdpa")
+            attention = "eager"
+        compute = {**compute, "attention": attention}
         torch_model = _load_model(model_dir, compute["dtype"],
                                   plan.device if plan.pipeline == "basic" else "cpu",
-                                  weight_schemes.load_options(input_quant))
-        attention = _attention_modules(torch_model, config)
+                                  weight_schemes.load_options(input_quant), attention)
+        modules = _attention_modules(torch_model, config)
         if scheme is not None:
             weight_schemes.check_fits(torch_model, scheme)
         load_s = time.perf_counter() - started
 
-        log(f"Calibrating {len(attention)} attention layers on {len(samples.token_ids)} "
+        log(f"Calibrating {len(modules)} attention layers on {len(samples.token_ids)} "
             f"samples ({samples.num_tokens} tokens), strategy {strategy}, observer {observer}, "
-            f"pipeline {plan.pipeline} ({plan.reason}), {compute['dtype']} on {compute['device']}")
-        attention_classes = _attention_classes(attention) if q_scale else None
+            f"pipeline {plan.pipeline} ({plan.reason}), {attention} attention, "
+            f"{compute['dtype']} on {compute['device']}")
+        attention_classes = _attention_classes(modules) if q_scale else None
         modifier = build_modifier(strategy, observer, attention_classes, scheme)
         t0 = time.perf_counter()
         mine = [samples.token_ids[i] for i in shares[ranks.rank]]
         recorder = _run_oneshot(torch_model, tokenizer, modifier, mine, plan.pipeline,
-                                attention, q_scale, whole_model=scheme is not None)
+                                modules, q_scale, whole_model=scheme is not None)
         per_sample = _gather(recorder.per_sample(), ranks)
         calibrate_s = time.perf_counter() - t0
 
         kinds = ("k", "v", "q") if q_scale else ("k", "v")
-        scales = _scale_tensors(attention, kinds, compute["checkpoint_dtype"])
+        scales = _scale_tensors(modules, kinds, compute["checkpoint_dtype"])
         layers = _collect_scales(scales, per_sample, observer)
         flagged = convergence.flagged(layers, kinds)
         if flagged:
@@ -228,12 +238,17 @@ def _silent(_message: str) -> None:
 
 
 def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
-                  num_samples: int, max_seq_len: int, scheme: str | None = None) -> None:
+                  num_samples: int, max_seq_len: int, scheme: str | None = None,
+                  attention: str = "eager") -> None:
     """The option checks that need no files: before anything slow starts."""
     weight_schemes.check_preset(scheme)
     choices.check("strategy", strategy, choices.Strategy)
     choices.check("observer", observer, choices.Observer)
     choices.check("pipeline", pipeline, choices.Pipeline)
+    choices.check("attention", attention, choices.Attention)
+    if attention == "sdpa" and pipeline == "sequential":
+        raise UsageError("--attention sdpa needs the basic pipeline: llm-compressor's "
+                         "sequential pipeline traces each layer under eager attention")
     choices.check("dtype", dtype, choices.ComputeDtype)
     choices.check("weights mode", weights, choices.WeightsMode)
     data.check_sample_args(num_samples, max_seq_len)
@@ -241,7 +256,8 @@ def check_options(strategy: str, observer: str, pipeline: str, dtype: str, weigh
 
 def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: int, *,
                  strategy: str, observer: str, pipeline: str, dtype: str, weights: str,
-                 num_samples: int, max_seq_len: int, scheme: str | None = None) -> None:
+                 num_samples: int, max_seq_len: int, scheme: str | None = None,
+                 attention: str = "eager") -> None:
     """What `run --nproc-per-node` refuses once, before starting the ranks (each checks
     again). On GPUs the memory is left to each rank: asking a GPU here would create a CUDA
     context that holds memory for the whole job."""
@@ -249,7 +265,7 @@ def check_launch(model: str | Path, output: str | Path, overwrite: bool, nproc: 
 
     distributed.check_nproc(nproc)
     check_options(strategy, observer, pipeline, dtype, weights, num_samples, max_seq_len,
-                  scheme)
+                  scheme, attention)
     distributed.shares(num_samples, nproc)
     preflight(model, output, overwrite, weights, dtype=dtype, pipeline=pipeline,
               max_seq_len=max_seq_len, num_samples=num_samples,
@@ -365,16 +381,17 @@ def _device(compute: dict[str, str]) -> str:
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def _load_model(model_dir: Path, dtype: str, device: str, options: dict[str, Any]):
+def _load_model(model_dir: Path, dtype: str, device: str, options: dict[str, Any],
+                attention: str):
     """Load for calibration, on `device` (the sequential pipeline onloads from the CPU
-    itself), with `options` for from_pretrained (weight_schemes.load_options). Eager
-    attention: llm-compressor calibrates under it anyway."""
+    itself), with `options` for from_pretrained (weight_schemes.load_options), under
+    `attention` (transformers' attn_implementation)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), attn_implementation="eager",
+            model_dir, dtype=getattr(torch, dtype), attn_implementation=attention,
             device_map=None if device == "cpu" else device, **options,
         )
     except Exception as exc:  # transformers raises many types for unloadable models
@@ -544,8 +561,7 @@ def _run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipelin
     stop_at = last if q_scale else getattr(last, KV_CACHE_ATTR)
     try:
         with contextlib.ExitStack() as stack:
-            if q_scale:
-                stack.enter_context(_observe_queries(attention))
+            stack.enter_context(_calibration_attention(model, attention, q_scale))
             if pipeline == "basic" and not whole_model:
                 stack.enter_context(_stop_after(model, stop_at))
             oneshot(model=model, processor=tokenizer, dataset=batches, recipe=[modifier],
@@ -568,16 +584,21 @@ def _gather(per_sample: dict[tuple[str, str], np.ndarray], ranks: distributed.Ra
 
 
 @contextlib.contextmanager
-def _observe_queries(attention: dict[str, Any]) -> Iterator[None]:
-    """Let llm-compressor observe queries (see the module docstring).
+def _calibration_attention(model, attention: dict[str, Any], q_scale: bool,
+                           ) -> Iterator[None]:
+    """Calibrate under the attention `model` was loaded with (see the module docstring).
 
-    Keep compressed-tensors' hooked attention in place during calibration instead of
-    llm-compressor's forced eager attention, and give the hooked attention the model's
-    own eager function under the name it looks up.
+    llm-compressor forces eager attention while calibrating. Under eager without q_scale
+    that changes nothing, and is left alone. Otherwise it is turned off: sdpa stays sdpa,
+    and with q_scale compressed-tensors' hooked attention stays in place (it observes the
+    queries), given the model's own eager function under the name it looks up.
     """
     import llmcompressor.utils.helpers as helpers
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if model.config._attn_implementation == "eager" and not q_scale:
+        yield
+        return
     module = sys.modules[type(next(iter(attention.values()))).__module__]
     forced_eager = helpers.use_eager_attention
     had_eager = "eager" in ALL_ATTENTION_FUNCTIONS

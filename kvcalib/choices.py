@@ -13,6 +13,7 @@ from kvcalib.errors import UsageError
 Strategy = Literal["tensor", "attn_head"]
 Observer = Literal["static_minmax", "minmax", "mse"]
 Pipeline = Literal["auto", "basic", "sequential"]
+Attention = Literal["eager", "sdpa"]
 ComputeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 EvalDtype = Literal["float32", "bfloat16", "float16"]
 WeightsMode = Literal["auto", "copy", "link", "reflink"]

@@ -156,6 +156,10 @@ def run(
     dtype: Annotated[choices.ComputeDtype, typer.Option(
         help="Compute dtype: auto (the checkpoint's, or float32 on CPUs without native "
              "bf16), bfloat16, float16 or float32.")] = "auto",
+    attention: Annotated[choices.Attention, typer.Option(
+        help="Attention while calibrating: eager (as llm-compressor calibrates: its scales "
+             "bit for bit) or sdpa (faster, basic pipeline; same scales in float32, a few "
+             "bf16 steps apart in bf16, see the README).")] = "eager",
     weights: Annotated[choices.WeightsMode, typer.Option(
         help="How the output gets the input's weight files: auto (reflink where the "
              "filesystem clones, else copy), copy, reflink (copy-on-write clone), or link "
@@ -186,7 +190,8 @@ def run(
     if nproc_per_node is not None and nproc_per_node != 1:
         check_launch(model, output, overwrite, nproc_per_node, strategy=strategy,
                      observer=observer, pipeline=pipeline, dtype=dtype, weights=weights,
-                     num_samples=num_samples, max_seq_len=max_seq_len, scheme=scheme)
+                     num_samples=num_samples, max_seq_len=max_seq_len, scheme=scheme,
+                     attention=attention)
         raise typer.Exit(distributed.launch(nproc_per_node,
                                             _without_option(sys.argv[1:], "--nproc-per-node")))
     if split is None and dataset == DEFAULT_DATASET:
@@ -195,8 +200,8 @@ def run(
         model, output, strategy=strategy, q_scale=q_scale,
         dataset=DatasetSpec(dataset, dataset_config, split, text_column),
         num_samples=num_samples, max_seq_len=max_seq_len, seed=seed, observer=observer,
-        pipeline=pipeline, dtype=dtype, weights=weights, scheme=scheme, overwrite=overwrite,
-        log=_info,
+        pipeline=pipeline, dtype=dtype, attention=attention, weights=weights, scheme=scheme,
+        overwrite=overwrite, log=_info,
     )
     if result.rank != 0:
         return  # rank 0 prints for the job

@@ -54,7 +54,8 @@ def calibration_summary(report: dict[str, Any]) -> str:
     samples, timings = report["samples"], report["timings_s"]
     footer = (f"{samples['used']} samples x <= {samples['max_seq_len']} tokens "
               f"({samples['num_tokens']} tokens), strategy {report['scheme']['strategy']}, "
-              f"observer {report['scheme']['observer']}, pipeline {report['pipeline']['used']}; "
+              f"observer {report['scheme']['observer']}, pipeline {report['pipeline']['used']}, "
+              f"{report['compute']['attention']} attention; "
               f"load {timings['load']:.1f}s, calibrate {timings['calibrate']:.1f}s, "
               f"save {timings['save']:.1f}s")
     return table(headers, rows) + "\n" + footer

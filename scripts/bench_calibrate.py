@@ -11,9 +11,10 @@ Every ratio comes from measurements of this run. Each timed command is its own p
   process that loads the same model, runs a no_grad forward over the same token ids
   (transformers' default attention sdpa, and eager, the attention llm-compressor
   calibrates under) and saves it with save_pretrained. Both tokenize with kvcalib.data.
-  Whole-process wall time, CPU time and peak RSS, `--repeats` times interleaved; median
-  and range of the ratios to plain (sdpa). Targets: at most 0.85x the plain process's
-  time and 1.1x its peak RSS.
+  kvcalib runs as it does by default (eager attention, weights copied), with hard-linked
+  weights, and with those and `--attention sdpa`. Whole-process wall time, CPU time and
+  peak RSS, `--repeats` times interleaved; median and range of the ratios to plain
+  (sdpa). Targets: at most 0.85x the plain process's time and 1.1x its peak RSS.
 - memory: a random-weight Llama of about 2 GB made here (15 layers of width 2048 and
   MLP 8192, tied embeddings of the demo tokenizer's 49,152 tokens): peak RSS of
   `--pipeline basic` and `--pipeline sequential` against its size, and the error
@@ -101,7 +102,8 @@ def bench_speed(args: argparse.Namespace, tmp: Path) -> None:
     report = None
     for repeat in range(args.repeats):
         # kvcalib first: its report tells the plain process the compute dtype
-        for name in ("kvcalib run", "kvcalib run --weights link", "plain (sdpa)",
+        for name in ("kvcalib run", "kvcalib run --weights link",
+                     "kvcalib run --weights link --attention sdpa", "plain (sdpa)",
                      "plain (eager)"):
             out = str(tmp / "speed")
             if name.startswith("plain"):

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 FP8_E4M3_MAX = 448.0
 
 
-def _load(model_dir: Path, dtype: str):
+def _load(model_dir: Path, dtype: str, attention: str = "eager"):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                 attn_implementation="eager")
+                                                 attn_implementation=attention)
     return model.eval()
 
 
@@ -43,8 +43,11 @@ def kv_absmax_per_sample(model_dir: Path, token_ids: list[list[int]], dtype: str
     return result
 
 
-def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str, model=None) -> dict:
-    """{(layer, "k"|"v"): per-KV-head absmax} over all samples, post-RoPE."""
+def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str, model=None,
+              attention: str = "eager") -> dict:
+    """{(layer, "k"|"v"): per-KV-head absmax} over all samples, post-RoPE, under
+    `attention` (transformers' attn_implementation) unless `model` is given."""
+    model = model if model is not None else _load(model_dir, dtype, attention)
     result: dict = {}
     for sample in kv_absmax_per_sample(model_dir, token_ids, dtype, model):
         for key, amax in sample.items():
@@ -58,9 +61,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def q_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str) -> dict:
+def q_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str,
+             attention: str = "eager") -> dict:
     """{(layer, "q"): per-head absmax} of the post-RoPE queries (Llama-style attention)."""
-    model = _load(model_dir, dtype)
+    model = _load(model_dir, dtype, attention)
     result: dict = {}
     handles = []
     for layer, block in enumerate(model.model.layers):

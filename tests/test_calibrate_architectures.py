@@ -13,7 +13,7 @@ import torch
 
 from kvcalib import calibrate
 from kvcalib.data import DatasetSpec
-from reference import expected_scale, kv_absmax, sample_token_ids, saved_scales
+from reference import expected_scale, kv_absmax, q_absmax, sample_token_ids, saved_scales
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
@@ -39,6 +39,55 @@ def test_scales_match_recomputed_absmax(arch, strategy, tiny_model, tmp_path):
             torch.testing.assert_close(saved.flatten().float(), want.float(), rtol=2**-8, atol=0)
     scheme = json.loads((out / "config.json").read_text())["quantization_config"]
     assert scheme["kv_cache_scheme"]["strategy"] == strategy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_sdpa_attention_runs_sdpa_and_matches_an_sdpa_forward(arch, tiny_model, tmp_path,
+                                                              monkeypatch):
+    """--attention sdpa really calibrates under sdpa (llm-compressor would force eager),
+    and every k/v/q scale is absmax/448 of a plain sdpa forward over the same tokens."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs))
+    model = tiny_model(arch)
+    out = calibrate(model, tmp_path / "out", strategy="attn_head", q_scale=arch == "llama",
+                    dataset=DatasetSpec("builtin"), num_samples=3, max_seq_len=48,
+                    pipeline="basic", attention="sdpa", log=lambda _: None).output
+    # 3 samples through the first 3 layers' attention: the last one's is skipped unless
+    # q is observed (the forward stops once its keys and values are cached)
+    assert len(calls) == 3 * (4 if arch == "llama" else 3)
+    monkeypatch.undo()
+    report = json.loads((out / "kvcalib_report.json").read_text())
+    assert report["compute"]["attention"] == "sdpa"
+    dtype, token_ids = report["compute"]["dtype"], sample_token_ids(out)
+    reference = kv_absmax(model, token_ids, dtype, attention="sdpa")
+    if arch == "llama":
+        reference.update(q_absmax(model, token_ids, dtype, attention="sdpa"))
+    scales = saved_scales(out)
+    assert len(scales) == len(reference) == 4 * (3 if arch == "llama" else 2)
+    for (layer, kind), absmax in reference.items():
+        saved = scales[f"model.layers.{layer}.self_attn.{kind}_scale"]
+        want = expected_scale(absmax, "attn_head", torch.bfloat16)
+        assert torch.equal(saved.flatten(), want), (layer, kind)
+
+
+def test_sdpa_gives_way_to_eager_when_auto_chooses_sequential(tiny_model, tmp_path,
+                                                               monkeypatch):
+    """On a GPU too small for the model, `auto` chooses sequential, which traces under
+    eager: kvcalib says so and calibrates under eager. Here the CPU's plan is made to
+    choose sequential, as memory.plan does for such a GPU."""
+    from kvcalib import memory
+
+    plan = memory.plan
+    monkeypatch.setattr(memory, "plan", lambda _requested, *rest: plan("sequential", *rest))
+    said = []
+    out = calibrate(tiny_model("llama"), tmp_path / "out", dataset=DatasetSpec("builtin"),
+                    num_samples=2, max_seq_len=32, attention="sdpa", log=said.append).output
+    report = json.loads((out / "kvcalib_report.json").read_text())
+    assert (report["pipeline"]["used"], report["compute"]["attention"]) == ("sequential",
+                                                                          "eager")
+    assert any("traces under eager attention: calibrating with eager" in s for s in said)
 
 
 def test_model_without_attention_is_refused(tiny_model, tmp_path):

@@ -19,6 +19,7 @@ DOCUMENTED = {
     ("run", "--observer"): "static_minmax|minmax|mse",
     ("run", "--pipeline"): "auto|basic|sequential",
     ("run", "--dtype"): "auto|bfloat16|float16|float32",
+    ("run", "--attention"): "eager|sdpa",
     ("run", "--weights"): "auto|copy|link|reflink",
     ("eval", "--rounding"): "nearest|toward_zero",
     ("eval", "--dtype"): "float32|bfloat16|float16",
@@ -44,6 +45,10 @@ def test_python_callers_get_the_same_checks():
                         ("dtype", "int8"), ("weights", "hardlink")):
         with pytest.raises(UsageError, match=f"unknown .*'{bad}'; choose one of "):
             calibration.check_options(**{**good, option: bad})
+    with pytest.raises(UsageError, match="unknown attention 'flash'; choose one of eager, sdpa"):
+        calibration.check_options(**good, attention="flash")
+    with pytest.raises(UsageError, match="--attention sdpa needs the basic pipeline"):
+        calibration.check_options(**{**good, "pipeline": "sequential"}, attention="sdpa")
 
 
 def test_convert_targets_are_the_layouts_kvcalib_writes():
