@@ -75,7 +75,7 @@ class ComputeInfo(_Record):
     device: str
     dtype: str
     checkpoint_dtype: str
-    attention: Literal["eager", "sdpa"] = "eager"  # absent from reports before 0.x: eager
+    attention: Literal["eager", "sdpa"] = "eager"  # earlier reports lack it: all were eager
 
 
 class ScaleConvergence(_Record):
