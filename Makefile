@@ -48,9 +48,11 @@ demo: setup
 
 lint: calib-env
 	.venv/bin/ruff check kvcalib tests scripts
+	.venv/bin/lint-imports
 
 test: setup
 	.venv/bin/ruff check kvcalib tests scripts
+	.venv/bin/lint-imports
 	.venv/bin/kvcalib demo-model
 	.venv/bin/python -m pytest -v --durations=15
 

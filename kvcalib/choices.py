@@ -1,12 +1,16 @@
-"""The fixed choices of kvcalib's options, as Literal types.
+"""What kvcalib's options may be: their fixed choices as Literal types, and `option`, the
+field that gives an option group (a frozen dataclass) its help and bounds.
 
-The CLI lists them in --help and refuses anything else while parsing; the library checks
-Python callers against the same types with `check`. Torch-free and quick to import.
+The CLI builds its options from the groups' fields (kvcalib.cli._options): --help lists
+each Literal's choices and anything else is refused while parsing. Python callers build
+the same groups, which `check_group` checks once, when they are built. Torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import dataclasses
+import functools
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from kvcalib.errors import UsageError
 
@@ -31,3 +35,58 @@ def check(what: str, value: str, choice: Any) -> None:
     """Refuse a `value` outside `choice`, naming the allowed ones."""
     if value not in values(choice):
         raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(values(choice))}")
+
+
+def option(default: Any, help: str, *names: str, low: float | None = None,
+           high: float | None = None, comma: type | None = None, **cli: Any) -> Any:
+    """A field of an option group: its default, its --help text, its CLI names (default:
+    --field-name) and the bounds check_group enforces (on each item of a list). `comma`: a
+    list the CLI takes as one comma-separated text of this type; `cli` goes to the CLI
+    option as it is (callback...)."""
+    metadata = {"help": help, "names": names, "low": low, "high": high, "comma": comma,
+                "cli": cli}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=default.copy, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def comma_separated(values: list[str] | None) -> list[str]:
+    """A repeatable option that also takes commas: `--x 1,2 --x 3` is ["1", "2", "3"]."""
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+@functools.cache
+def hints(group: type) -> dict[str, Any]:
+    """A group's field types, resolved (its module uses postponed annotations)."""
+    return get_type_hints(group, include_extras=True)
+
+
+def literal(annotation: Any) -> Any | None:
+    """The Literal inside `annotation` (Literal[...] or Literal[...] | None), if any."""
+    if get_origin(annotation) is Literal:
+        return annotation
+    if get_origin(annotation) in (Union, type(int | None)):
+        return next((arg for arg in get_args(annotation) if get_origin(arg) is Literal), None)
+    return None
+
+
+def check_group(group: Any) -> None:
+    """Check every option of a group against its choices and bounds, naming it as the CLI
+    does (--num-samples must be at least 1, got 0)."""
+    for field in dataclasses.fields(group):
+        value, meta = getattr(group, field.name), field.metadata
+        name = (meta.get("names") or (flag(field.name),))[0]
+        choice = literal(hints(type(group))[field.name])
+        if value is None:
+            continue
+        if choice is not None:
+            check(name.removeprefix("--").replace("-", " "), value, choice)
+        for item in value if isinstance(value, list) else [value]:
+            if meta.get("low") is not None and item < meta["low"]:
+                raise UsageError(f"{name} must be at least {meta['low']:g}, got {item:g}")
+            if meta.get("high") is not None and item > meta["high"]:
+                raise UsageError(f"{name} must be at most {meta['high']:g}, got {item:g}")

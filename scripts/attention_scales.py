@@ -22,19 +22,26 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvcalib import calibrate
+from kvcalib.calibrate import (
+    ComputeOptions,
+    SampleOptions,
+    ScaleOptions,
+    WriteOptions,
+    calibrate,
+)
 from kvcalib.data import DatasetSpec
-from kvcalib.demo_model import prepare_demo_model
-from kvcalib.report import table
+from kvcalib.demo import prepare_demo_model
+from kvcalib.report.tables import table
 
 
 def scales(model: Path, out: Path, seed: int, dtype: str, attention: str,
            args: argparse.Namespace) -> torch.Tensor:
     """Every stored k/v scale of one calibration, flattened in name order, as float32."""
-    calibrate(model, out, strategy="attn_head", dataset=DatasetSpec("builtin"),
-              num_samples=args.num_samples, max_seq_len=args.max_seq_len, seed=seed,
-              pipeline="basic", dtype=dtype, attention=attention, weights="link",
-              overwrite=True, log=lambda _: None)
+    calibrate(model, out, scales=ScaleOptions(strategy="attn_head"),
+              samples=SampleOptions(DatasetSpec("builtin"), args.num_samples, args.max_seq_len,
+                                    seed),
+              compute=ComputeOptions("basic", dtype, attention),
+              writing=WriteOptions("link", overwrite=True), log=lambda _: None)
     stored = load_file(out / "kv_scales.safetensors")
     return torch.cat([stored[name].float().flatten() for name in sorted(stored)])
 

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from kvcalib.capacity import size
-from kvcalib.demo_model import prepare_demo_model
-from kvcalib.report import table
+from kvcalib.demo import prepare_demo_model
+from kvcalib.report.tables import table
+from kvcalib.text import size
 
 KVCALIB = Path(sys.executable).parent / "kvcalib"
 SCRIPTS = Path(__file__).resolve().parent
@@ -200,22 +200,22 @@ def bytes_written() -> int:
 
 def output_step(model_dir: Path, target: Path, mode: str) -> tuple[float, int]:
     """Seconds and bytes written by run's output step, with every scale a new tensor."""
-    from kvcalib.calibration import write_checkpoint
-    from kvcalib.checkpoint import atomic_output_dir
-    from kvcalib.kvcheckpoint import open_model
+    from kvcalib.checkpoint import open_model, write_checkpoint
+    from kvcalib.checkpoint.safetensors import raw
+    from kvcalib.files import atomic_output_dir
 
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    scales = {f"model.layers.{i}.self_attn.{kind}_scale": torch.full((8, 1, 1), 0.01,
-                                                                      dtype=torch.bfloat16)
+    scales = {f"model.layers.{i}.self_attn.{kind}_scale": raw(torch.full((8, 1, 1), 0.01,
+                                                                          dtype=torch.bfloat16))
               for i in range(80) for kind in "kv"}
     written, started = bytes_written(), time.perf_counter()
     with atomic_output_dir(target) as tmp:
-        write_checkpoint(tmp, open_model(model_dir), scales, config, "# recipe\n", weights=mode)
+        write_checkpoint(tmp, open_model(model_dir), scales, config, weights=mode)
     return time.perf_counter() - started, bytes_written() - written
 
 
 def bench_output(args: argparse.Namespace, tmp: Path) -> None:
-    from kvcalib import weights
+    from kvcalib.checkpoint.write import choose_placement, place
     from kvcalib.errors import UsageError
 
     spec = importlib.util.spec_from_file_location("bench_verify", SCRIPTS / "bench_verify.py")
@@ -227,7 +227,7 @@ def bench_output(args: argparse.Namespace, tmp: Path) -> None:
     rows = []
     for mode in ("link", "reflink"):
         try:
-            weights.choose(mode, [next(folder.glob("*.safetensors"))], where)
+            choose_placement(mode, [next(folder.glob("*.safetensors"))], where)
         except UsageError:
             rows.append([mode, "-", "-", "this filesystem cannot clone (try --dir on XFS/btrfs)"])
             continue
@@ -235,7 +235,7 @@ def bench_output(args: argparse.Namespace, tmp: Path) -> None:
         rows.append([mode, f"{seconds:.2f}", f"{written / 1e3:.1f} kB", ""])
     shard = sorted(folder.glob("model-*.safetensors"))[0]
     written, started = bytes_written(), time.perf_counter()
-    weights.place(shard, where / "one-shard-copy", "copy")
+    place(shard, where / "one-shard-copy", "copy")
     seconds, written = time.perf_counter() - started, bytes_written() - written
     scale = declared / shard.stat().st_size
     rows.append(["copy", f"~{seconds * scale:.0f}", f"~{written * scale / 1e9:.0f} GB",

@@ -7,7 +7,7 @@ On SmolLM2-135M calibrated by kvcalib (built-in corpus), with the same token ids
 - plain forward: the model as transformers loads it, no simulation;
 - simulated forward: the same model routed through kvcalib's simulated cache, FP8 with
   the checkpoint's scales (fake-quantizing every layer's K and V), then every vLLM format
-  (kvcalib.kvformats) on the layers vLLM quantizes; NVFP4 with calibrated global scales
+  (kvcalib.kvcache.formats) on the layers vLLM quantizes; NVFP4 with calibrated global scales
   (absmax / 2688, as ModelOpt) and at 1.0. Timings alternate plain and simulated passes;
   the ratio is best simulated / best plain over --repeats (the least disturbed runs on a
   shared machine), with the range of the per-repeat ratios;
@@ -28,12 +28,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvcalib import kvformats, quantsim
-from kvcalib.calibration import calibrate
+from kvcalib.calibrate import SampleOptions, ScaleOptions, calibrate
+from kvcalib.checkpoint import open_checkpoint
 from kvcalib.data import DatasetSpec, select_samples
-from kvcalib.demo_model import prepare_demo_model
-from kvcalib.evaluation import batches, load_model, sweep
-from kvcalib.kvcheckpoint import open_checkpoint
+from kvcalib.demo import prepare_demo_model
+from kvcalib.evaluate.metrics import batches
+from kvcalib.evaluate.run import load_model
+from kvcalib.evaluate.sweep import sweep
+from kvcalib.kvcache import formats as kvformats
+from kvcalib.kvcache import quantize
+from kvcalib.kvcache import simulate as quantsim
 
 
 def forward_seconds(model, batch_list, simulation) -> float:
@@ -81,8 +85,8 @@ def relative_errors(model, batch_list, sim: quantsim.Simulation) -> tuple[float,
                 if fmt.fp8:
                     out = quantsim.fake_quantize(states, sim.scale(layer, kind), fmt.fp8)
                 else:
-                    quantize = fmt.quantize_k if kind == "k" else fmt.quantize_v
-                    out = quantize(states, sim.scale(layer, kind))
+                    how = fmt.keys if kind == "k" else fmt.values
+                    out = quantize.apply(how, states, sim.scale(layer, kind))
                 squared[kind][0] += float(((out.float() - states.float()) ** 2).sum())
                 squared[kind][1] += float((states.float() ** 2).sum())
     return tuple((error / total) ** 0.5 for error, total in squared.values())
@@ -96,8 +100,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = calibrate(prepare_demo_model(), Path(tmp) / "ckpt", strategy="attn_head",
-                         dataset=DatasetSpec("builtin"), num_samples=8, max_seq_len=256,
+        ckpt = calibrate(prepare_demo_model(), Path(tmp) / "ckpt",
+                         scales=ScaleOptions(strategy="attn_head"),
+                         samples=SampleOptions(DatasetSpec("builtin"), 8, 256),
                          log=lambda _: None).output
         opened, _ = open_checkpoint(ckpt)
         model, tokenizer = load_model(opened, "float32")

@@ -113,7 +113,7 @@ def bytes_read() -> int:
 
 def measure(folder: Path) -> dict[str, float]:
     """Static check of `folder` in this process: seconds, bytes read, checks and failures."""
-    from kvcalib.kvcheckpoint import open_checkpoint
+    from kvcalib.checkpoint import open_checkpoint
 
     started_bytes, started = bytes_read(), time.perf_counter()
     _, checks = open_checkpoint(folder)

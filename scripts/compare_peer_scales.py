@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcalib import checkpoint, layouts
+from kvcalib.checkpoint import layouts, safetensors
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "peers"
 REFERENCE = "kvcalib-tensor"
 
 
 def scales(name: str) -> dict[tuple[int, str], float]:
-    found, _ = layouts.find_scales(checkpoint.file_tensors(FIXTURES / name, "scales.safetensors"))
-    return {(s.layer, s.kind): float(checkpoint.read_tensor(s.info).max()) for s in found}
+    found, _ = layouts.find_scales(safetensors.file_tensors(FIXTURES / name, "scales.safetensors"))
+    return {(s.layer, s.kind): float(safetensors.read_tensor(s.info).max()) for s in found}
 
 
 def main() -> None:

