@@ -21,6 +21,9 @@ from typing import Any, BinaryIO
 
 from kvcalib.errors import CheckpointError, UsageError
 
+# What --overwrite does, as atomic_output_dir does it (run and convert).
+OVERWRITE_HELP = "Replace a non-empty --output (only once the new checkpoint is complete)."
+
 # ----- reading untrusted files ----- #
 
 # A real config, index or report is at most a few MB; larger is corrupt, not large.

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,6 +37,13 @@ def builtin(num_samples: int, max_seq_len: int, seed: int = 0):
     from kvcalib.data import DatasetSpec
 
     return SampleOptions(DatasetSpec("builtin"), num_samples, max_seq_len, seed)
+
+
+def ctrl_c_reaches_it() -> None:
+    """preexec_fn for a command a test interrupts as Ctrl-C would: a suite started as a
+    background job ignores SIGINT, and its commands inherit that (Python then installs
+    no KeyboardInterrupt handler); from a terminal, SIGINT is at its default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_kvcalib(*args: object, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:

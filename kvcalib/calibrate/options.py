@@ -18,6 +18,7 @@ from kvcalib.choices import (
 )
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
+from kvcalib.files import OVERWRITE_HELP
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,7 @@ class WriteOptions:
                                   "(reflink where the filesystem clones, else copy), copy, "
                                   "reflink (copy-on-write clone), or link (hard links: editing "
                                   "the input files in place would change the output).")
-    overwrite: bool = option(False, "Replace a non-empty --output (only once the new "
-                             "checkpoint is complete).", "--overwrite")
+    overwrite: bool = option(False, OVERWRITE_HELP, "--overwrite")
 
     def __post_init__(self) -> None:
         check_group(self)

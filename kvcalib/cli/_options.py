@@ -19,7 +19,7 @@ import typer
 
 from kvcalib.choices import flag, hints
 from kvcalib.errors import UsageError
-from kvcalib.files import check_output_file, check_output_folder
+from kvcalib.files import OVERWRITE_HELP, check_output_file, check_output_folder
 
 STDOUT = "-"
 
@@ -70,9 +70,7 @@ JunitOut = Annotated[Path | None, typer.Option(
     callback=_output_file, help="Write JUnit XML for CI to this file; '-' prints it to "
                                 "standard output instead of the table.")]
 OutputFolder = Annotated[Path, typer.Option(help="Folder for the checkpoint.")]
-Overwrite = Annotated[bool, typer.Option(
-    "--overwrite", help="Replace a non-empty --output (only once the new checkpoint is "
-                        "complete).")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
 
 
 def folder_option(help: str) -> Any:

@@ -17,6 +17,7 @@ from conftest import (
     TOKENIZER_FILES,
     assert_error,
     builtin,
+    ctrl_c_reaches_it,
     kvcalib_run,
     linked_copy,
     run_kvcalib,
@@ -158,7 +159,8 @@ def _start(model, out, *extra) -> subprocess.Popen:
     return subprocess.Popen(
         [str(KVCALIB), "run", "--model", str(model), "--output", str(out), "--dataset",
          "builtin", "--num-samples", "64", "--max-seq-len", "256", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ctrl_c_reaches_it)
 
 
 def _wait_for(process: subprocess.Popen, marker: str) -> None:

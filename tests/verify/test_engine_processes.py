@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KVCALIB
+from conftest import KVCALIB, ctrl_c_reaches_it
 from kvcalib.verify.engine import end_process_group
 
 
@@ -83,7 +83,8 @@ def _watch(process: subprocess.Popen, group: int, until: Callable[[set[int]], bo
 def _verify(model: Path, out: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([str(KVCALIB), "verify", str(model), "--json", str(out / "v.json"),
                              "--kv-cache-dtype", "bfloat16", "--max-model-len", "2048", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_reaches_it)
 
 
 def _engine_core(pids: set[int]) -> bool:
