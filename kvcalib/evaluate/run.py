@@ -38,11 +38,10 @@ from kvcalib.checks import FAIL, WARN, Check
 from kvcalib.data import DatasetSpec, Samples, corpus, select_samples
 from kvcalib.errors import UsageError
 from kvcalib.evaluate import formats as format_comparison
-from kvcalib.evaluate.gates import gate_checks
 from kvcalib.evaluate.metrics import CALIBRATED, E5M2, SCALE_ONE, batches, score, verdict
 from kvcalib.evaluate.options import EngineCheck, EvalOptions, HeldOut
 from kvcalib.evaluate.passkey import passkey_trials, run_passkey
-from kvcalib.evaluate.result import EvalResult
+from kvcalib.evaluate.result import EvalResult, gate_checks
 from kvcalib.evaluate.sweep import sweep
 from kvcalib.kvcache import capacity, geometry, simulate
 from kvcalib.text import Log, stderr
@@ -152,7 +151,7 @@ def held_out_samples(report: CalibrationReport | None, tokenizer, held_out: Held
     if report is not None and calibrated_on and spec.describe() == calibrated_on.describe():
         exclude = set(report.dataset.rows_used)
     samples = select_samples(spec, tokenizer, held_out.num_samples, held_out.max_seq_len,
-                                  held_out.seed, exclude_rows=exclude)
+                             held_out.seed, exclude_rows=exclude)
     samples.dataset["excluded_calibration_rows"] = len(exclude)
     return samples
 
