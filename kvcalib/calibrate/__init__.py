@@ -1,8 +1,8 @@
 """Stage 2, `kvcalib run`: measure FP8 KV scales with llm-compressor and write the
 checkpoint. run.calibrate is the entry point; its options come in four groups."""
 
-from kvcalib.calibrate.options import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
-from kvcalib.calibrate.run import CalibrationResult, calibrate
+from kvcalib import exports
 
-__all__ = ["CalibrationResult", "ComputeOptions", "SampleOptions", "ScaleOptions",
-           "WriteOptions", "calibrate"]
+__getattr__, __all__ = exports(__name__, {
+    "CalibrationResult": "run", "calibrate": "run", "ComputeOptions": "options",
+    "SampleOptions": "options", "ScaleOptions": "options", "WriteOptions": "options"})

@@ -3,9 +3,9 @@ keeps its KV scales in, a checkpoint opened and checked once (read), written (wr
 calibration report, and the two commands that need nothing else: `convert` and `inspect`
 (modules of those names)."""
 
-from kvcalib.checkpoint.read import Checkpoint, KvScales, Scale, open_checkpoint, open_model
-from kvcalib.checkpoint.report_file import REPORT_FILE, CalibrationReport, load_report
-from kvcalib.checkpoint.write import SCALES_FILE, write_checkpoint
+from kvcalib import exports
 
-__all__ = ["REPORT_FILE", "SCALES_FILE", "CalibrationReport", "Checkpoint", "KvScales",
-           "Scale", "load_report", "open_checkpoint", "open_model", "write_checkpoint"]
+__getattr__, __all__ = exports(__name__, {
+    "Checkpoint": "read", "KvScales": "read", "Scale": "read", "open_checkpoint": "read",
+    "open_model": "read", "REPORT_FILE": "report_file", "CalibrationReport": "report_file",
+    "load_report": "report_file", "SCALES_FILE": "write", "write_checkpoint": "write"})

@@ -9,7 +9,7 @@ import typer
 
 from kvcalib.cli._options import JsonOut, JunitOut, folder_option, grouped, info
 from kvcalib.cli._output import Output
-from kvcalib.verify.run import EngineOptions
+from kvcalib.verify.options import EngineOptions
 
 LogDir = folder_option("Folder for vLLM's logs (default: beside --json, else "
                            "./kvcalib-verify-logs/NAME).")

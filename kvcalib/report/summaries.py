@@ -4,17 +4,19 @@ form."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvcalib.checkpoint.convert import Conversion
-from kvcalib.checkpoint.inspect import Inspection
-from kvcalib.checkpoint.report_file import REPORT_FILE, CalibrationReport
 from kvcalib.dtypes import E4M3_MAX
-from kvcalib.evaluate.result import EvalResult
-from kvcalib.kvcache.capacity import Estimate
 from kvcalib.report.tables import checks_table, result_line, right_aligned, table
 from kvcalib.text import index_ranges, size, value_range
-from kvcalib.verify.run import VerifyResult
+
+if TYPE_CHECKING:  # the results summarized; each command imports only its own
+    from kvcalib.checkpoint.convert import Conversion
+    from kvcalib.checkpoint.inspect import Inspection
+    from kvcalib.checkpoint.report_file import CalibrationReport
+    from kvcalib.evaluate.result import EvalResult
+    from kvcalib.kvcache.capacity import Estimate
+    from kvcalib.verify.run import VerifyResult
 
 # ----- run ----- #
 
@@ -299,6 +301,8 @@ def _head_rows(result: Inspection) -> list[list[Any]]:
 
 
 def _calibration_line(calibration: dict[str, Any] | None) -> str:
+    from kvcalib.checkpoint.report_file import REPORT_FILE
+
     if calibration is None:
         return f"Calibration: no {REPORT_FILE} in the checkpoint"
     dataset, samples = calibration.get("dataset", {}), calibration.get("samples", {})

@@ -1,6 +1,7 @@
 """Stage 3, `kvcalib verify`: the static checks, then vLLM started in the serving
 environment (engine, probe/) and every loaded scale read back (run.verify)."""
 
-from kvcalib.verify.run import EngineOptions, VerifyResult, verify
+from kvcalib import exports
 
-__all__ = ["EngineOptions", "VerifyResult", "verify"]
+__getattr__, __all__ = exports(__name__, {
+    "EngineOptions": "options", "VerifyResult": "run", "verify": "run"})

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib.choices import option
 from kvcalib.errors import UsageError
 from kvcalib.verify.probe.vllm_probe import ANSWERED
 from kvcalib.verify.probe_answer import load_probe_answer
@@ -206,12 +205,6 @@ class ProbeRun:
 
 
 GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when ending the probe's processes
-
-
-def vllm_python_option() -> Any:
-    """The option naming the serving environment's interpreter (verify, eval --engine)."""
-    return option(None, "Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, "
-                  "this interpreter if it has vLLM, or the env `make setup` made).")
 
 
 def log_folder(command: str, checkpoint: Path) -> Path:

@@ -24,12 +24,12 @@ import numpy as np
 
 from kvcalib.checkpoint.read import Checkpoint, Scale, open_checkpoint, short
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
-from kvcalib.choices import check_group, comma_separated, option
 from kvcalib.data import corpus
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import geometry
 from kvcalib.text import Log, stderr
 from kvcalib.verify import engine
+from kvcalib.verify.options import EngineOptions
 
 COMPARE_PROMPTS = 4
 COMPARE_PROMPT_CHARS = 1500
@@ -50,33 +50,6 @@ class VerifyResult:
         return {"checkpoint": self.checkpoint, "exit_code": self.exit_code,
                 "passed": self.exit_code == 0, "scheme": self.scheme, "engine": self.engine,
                 "checks": [asdict(c) for c in self.checks]}
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How verify starts vLLM."""
-
-    vllm_python: str | None = engine.vllm_python_option()
-    kv_cache_dtype: str = option("fp8", "vLLM kv_cache_dtype for the engine check.")
-    max_model_len: int | None = option(None, "vLLM max_model_len.", low=1)
-    kv_cache_dtype_skip_layers: list[str] | None = option(
-        None, "Layers vLLM keeps in the model dtype (indices or sliding_window); repeat or "
-        "use commas.", callback=comma_separated)
-    compare_auto: bool = option(False, "Also start vLLM with the model-dtype cache and compare "
-                                "capacity, greedy outputs and prompt log-probs.",
-                                "--compare-auto")
-    timeout: float = option(1200, "Seconds to wait for each engine.")
-
-    def __post_init__(self) -> None:
-        check_group(self)
-        if not 0 < self.timeout < math.inf:
-            raise UsageError(f"--timeout must be a positive number of seconds, not "
-                             f"{self.timeout:g}")
-
-    def request(self, folder: Path, kv_cache_dtype: str) -> engine.ProbeRequest:
-        prompts = compare_prompts() if self.compare_auto else []
-        return engine.ProbeRequest(folder, kv_cache_dtype, self.max_model_len,
-                                   self.kv_cache_dtype_skip_layers or [], prompts)
 
 
 def verify(folder: str | Path, *, static_only: bool = False,
@@ -106,8 +79,10 @@ def verify(folder: str | Path, *, static_only: bool = False,
     for label, dtype in runs:
         log_path = log_dir / f"vllm-{dtype}.log"
         log(f"Starting vLLM with kv_cache_dtype={dtype} ({python}); log: {log_path}")
-        probes[label] = engine.run_probe(python, options.request(folder, dtype), log_path,
-                                         options.timeout)
+        ask = engine.ProbeRequest(folder, dtype, options.max_model_len,
+                                  options.kv_cache_dtype_skip_layers or [],
+                                  compare_prompts() if options.compare_auto else [])
+        probes[label] = engine.run_probe(python, ask, log_path, options.timeout)
         result.engine["runs"][label] = _run_summary(probes[label])
     checks += _engine_checks(probes[kv_cache_dtype], ckpt)
     if options.compare_auto:

@@ -1,0 +1,38 @@
+"""How `kvcalib verify` starts vLLM, as a typed group checked once, when it is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvcalib.choices import check_group, comma_separated, option
+from kvcalib.errors import UsageError
+
+
+def vllm_python_option() -> Any:
+    """The option naming the serving environment's interpreter (verify, eval --engine)."""
+    return option(None, "Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, "
+                  "this interpreter if it has vLLM, or the env `make setup` made).")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How verify starts vLLM."""
+
+    vllm_python: str | None = vllm_python_option()
+    kv_cache_dtype: str = option("fp8", "vLLM kv_cache_dtype for the engine check.")
+    max_model_len: int | None = option(None, "vLLM max_model_len.", low=1)
+    kv_cache_dtype_skip_layers: list[str] | None = option(
+        None, "Layers vLLM keeps in the model dtype (indices or sliding_window); repeat or "
+        "use commas.", callback=comma_separated)
+    compare_auto: bool = option(False, "Also start vLLM with the model-dtype cache and compare "
+                                "capacity, greedy outputs and prompt log-probs.",
+                                "--compare-auto")
+    timeout: float = option(1200, "Seconds to wait for each engine.")
+
+    def __post_init__(self) -> None:
+        check_group(self)
+        if not 0 < self.timeout < math.inf:
+            raise UsageError(f"--timeout must be a positive number of seconds, not "
+                             f"{self.timeout:g}")
