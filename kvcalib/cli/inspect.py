@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvcalib.checkpoint.inspect import DEFAULT_OUTLIER_RATIO
+from kvcalib.choices import OUTLIER_RATIO
 from kvcalib.cli._options import JsonOut, info, plot_option
 from kvcalib.cli._output import Output
 
@@ -22,7 +22,7 @@ def inspect(
         "--heads", help="Also list every head's scale (attn_head).")] = False,
     outlier_ratio: Annotated[float, typer.Option(
         min=1, help="Flag scales more than this many times above or below the median "
-             "layer's.")] = DEFAULT_OUTLIER_RATIO,
+             "layer's.")] = OUTLIER_RATIO,
     json_path: JsonOut = None,
 ) -> None:
     """Show a checkpoint's KV scales per layer and head, the absmax they imply and outliers;
