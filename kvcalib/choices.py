@@ -3,7 +3,7 @@ field that gives an option group (a frozen dataclass) its help and bounds.
 
 The CLI builds its options from the groups' fields (kvcalib.cli._options): --help lists
 each Literal's choices and anything else is refused while parsing. Python callers build
-the same groups, which `check_group` checks once, when they are built. Torch-free.
+the same groups, which check themselves once, when they are built (OptionGroup). Torch-free.
 """
 
 from __future__ import annotations
@@ -92,3 +92,11 @@ def check_group(group: Any) -> None:
                 raise UsageError(f"{name} must be at least {meta['low']:g}, got {item:g}")
             if meta.get("high") is not None and item > meta["high"]:
                 raise UsageError(f"{name} must be at most {meta['high']:g}, got {item:g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionGroup:
+    """Base of the option groups (frozen dataclasses): a group is checked once, when built."""
+
+    def __post_init__(self) -> None:
+        check_group(self)

@@ -10,10 +10,10 @@ from kvcalib.choices import (
     Attention,
     ComputeDtype,
     Observer,
+    OptionGroup,
     Pipeline,
     Strategy,
     WeightsMode,
-    check_group,
     option,
 )
 from kvcalib.data import DatasetSpec
@@ -22,7 +22,7 @@ from kvcalib.files import OVERWRITE_HELP
 
 
 @dataclass(frozen=True)
-class ScaleOptions:
+class ScaleOptions(OptionGroup):
     """Which scales to measure, and (with `scheme`) which weights to quantize with them."""
 
     strategy: Strategy = option("tensor", "Scale granularity: tensor (one per layer; every "
@@ -40,7 +40,7 @@ class ScaleOptions:
     def __post_init__(self) -> None:
         from kvcalib.calibrate.weight_schemes import check_preset
 
-        check_group(self)
+        super().__post_init__()
         check_preset(self.scheme)
 
     @property
@@ -49,7 +49,7 @@ class ScaleOptions:
 
 
 @dataclass(frozen=True)
-class SampleOptions:
+class SampleOptions(OptionGroup):
     """The calibration text: which dataset, how many samples of how many tokens."""
 
     dataset: DatasetSpec = DatasetSpec()
@@ -57,12 +57,9 @@ class SampleOptions:
     max_seq_len: int = option(2048, "Tokens per sample (truncated).", low=1)
     seed: int = option(0, "Seed for choosing the samples.", low=0)
 
-    def __post_init__(self) -> None:
-        check_group(self)
-
 
 @dataclass(frozen=True)
-class ComputeOptions:
+class ComputeOptions(OptionGroup):
     """How the calibration pass runs."""
 
     pipeline: Pipeline = option("auto", "auto (basic when the model fits the device, else "
@@ -75,14 +72,14 @@ class ComputeOptions:
                                   "bf16 steps apart in bf16, see docs/run.md).")
 
     def __post_init__(self) -> None:
-        check_group(self)
+        super().__post_init__()
         if self.attention == "sdpa" and self.pipeline == "sequential":
             raise UsageError("--attention sdpa needs the basic pipeline: llm-compressor's "
                              "sequential pipeline traces each layer under eager attention")
 
 
 @dataclass(frozen=True)
-class WriteOptions:
+class WriteOptions(OptionGroup):
     """How the checkpoint is written."""
 
     weights: WeightsMode = option("auto", "How the output gets the input's weight files: auto "
@@ -90,6 +87,3 @@ class WriteOptions:
                                   "reflink (copy-on-write clone), or link (hard links: editing "
                                   "the input files in place would change the output).")
     overwrite: bool = option(False, OVERWRITE_HELP, "--overwrite")
-
-    def __post_init__(self) -> None:
-        check_group(self)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from kvcalib.choices import EvalDtype, Rounding, check_group, option
+from kvcalib.choices import EvalDtype, OptionGroup, Rounding, option
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import capacity
@@ -19,7 +19,7 @@ DEFAULT_BUDGET = "16GiB"
 
 
 @dataclass(frozen=True)
-class HeldOut:
+class HeldOut(OptionGroup):
     """The held-out text eval scores. No dataset: the calibration's when it is the built-in
     corpus (rows it did not use), else the built-in corpus."""
 
@@ -29,12 +29,9 @@ class HeldOut:
     seed: int = option(0, "Seed for choosing the samples.", low=0)
     batch_size: int = option(1, "Samples per forward pass.", low=1)
 
-    def __post_init__(self) -> None:
-        check_group(self)
-
 
 @dataclass(frozen=True)
-class Simulation:
+class Simulation(OptionGroup):
     """How the cache is simulated, and which configurations beside the checkpoint's own."""
 
     dtype: EvalDtype = option("float32", "Compute dtype of reference and simulation "
@@ -49,9 +46,6 @@ class Simulation:
                         "--kivi")
     kivi_layout: capacity.Kivi = capacity.Kivi()
 
-    def __post_init__(self) -> None:
-        check_group(self)
-
     @property
     def kivi_cache(self) -> capacity.Kivi | None:
         """The KIVI layout to simulate, None without --kivi."""
@@ -59,7 +53,7 @@ class Simulation:
 
 
 @dataclass(frozen=True)
-class Formats:
+class Formats(OptionGroup):
     """Which vLLM KV formats to compare (`names`: 'all' or kv_cache_dtype names; none: no
     comparison), on what hardware, and the memory their tokens are counted at. block_size:
     vLLM's, by default 128 on CPU targets and 16 elsewhere."""
@@ -76,7 +70,7 @@ class Formats:
                                     "on cpu targets, else 16).", low=1)
 
     def __post_init__(self) -> None:
-        check_group(self)
+        super().__post_init__()
         if self.target is not None and not self.names:
             raise UsageError("--target needs --formats")
         if self.target is not None and self.target not in kv_formats.TARGETS:
@@ -99,7 +93,7 @@ class Formats:
 
 
 @dataclass(frozen=True)
-class Passkey:
+class Passkey(OptionGroup):
     """Passkey prompts of `lengths` tokens (none: no passkey probe), with the key at each of
     `depths` (fractions of the filler)."""
 
@@ -108,12 +102,9 @@ class Passkey:
     depths: list[float] = option([0.5], "Where the pass key sits, as fractions of the filler.",
                                  "--passkey-depths", low=0, high=1, comma=float)
 
-    def __post_init__(self) -> None:
-        check_group(self)
-
 
 @dataclass(frozen=True)
-class LayerSweep:
+class LayerSweep(OptionGroup):
     """The per-layer sweep, on the first `samples` held-out samples (2 or more: its
     effects come with intervals)."""
 
@@ -122,12 +113,9 @@ class LayerSweep:
     samples: int = option(4, "Samples for the sweep (at least 2: its effects come with "
                           "intervals).", "--sweep-samples", low=2)
 
-    def __post_init__(self) -> None:
-        check_group(self)
-
 
 @dataclass(frozen=True)
-class Gates:
+class Gates(OptionGroup):
     """eval's thresholds (None: not set). A release pipeline gates on them: exit 1 when the
     checkpoint's scales (or, comparing formats, every quantized format) miss one."""
 
@@ -138,9 +126,6 @@ class Gates:
                                             "more than this fraction (0.01 = 1%).", low=0)
     min_passkey: float | None = option(None, "Gate: exit 1 when FP8 passkey accuracy is below "
                                        "this fraction.", low=0, high=1)
-
-    def __post_init__(self) -> None:
-        check_group(self)
 
     @property
     def any_set(self) -> bool:
@@ -154,7 +139,7 @@ class Gates:
 
 
 @dataclass(frozen=True)
-class EngineCheck:
+class EngineCheck(OptionGroup):
     """Score the same tokens in vLLM too (the serving env's python; logs in log_dir)."""
 
     engine: bool = option(False, "Also score the same tokens in vLLM with fp8 and the model "

@@ -55,7 +55,7 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
-from kvcalib.choices import check_group, comma_separated, option
+from kvcalib.choices import OptionGroup, comma_separated, option
 from kvcalib.errors import UsageError
 from kvcalib.hub import resolve_config
 from kvcalib.kvcache import formats as kv_formats
@@ -75,7 +75,7 @@ _BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
-class Kivi:
+class Kivi(OptionGroup):
     """2-bit KIVI's layout (see the module docstring)."""
 
     group_size: int = option(32, "KIVI group: tokens per key group, channels per value group.",
@@ -83,12 +83,9 @@ class Kivi:
     residual: int = option(128, "KIVI: most recent tokens kept in 16 bits.", "--kivi-residual",
                            low=0)
 
-    def __post_init__(self) -> None:
-        check_group(self)
-
 
 @dataclass(frozen=True)
-class EstimateOptions:
+class EstimateOptions(OptionGroup):
     """What `estimate` sizes: requests of how many tokens, in which formats, and (with a
     budget) what fits in how much memory."""
 
@@ -111,9 +108,6 @@ class EstimateOptions:
     formats: list[str] = option([], "'all' or kv_cache_dtype names, comma separated, as eval "
                                 "--formats takes them (auto is the model dtype; kivi2 too); "
                                 "default: the model dtype, fp8 and kivi2.", "--formats", comma=str)
-
-    def __post_init__(self) -> None:
-        check_group(self)
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvcalib.choices import check_group, comma_separated, option
+from kvcalib.choices import OptionGroup, comma_separated, option
 from kvcalib.errors import UsageError
 
 
@@ -17,7 +17,7 @@ def vllm_python_option() -> Any:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class EngineOptions(OptionGroup):
     """How verify starts vLLM."""
 
     vllm_python: str | None = vllm_python_option()
@@ -32,7 +32,7 @@ class EngineOptions:
     timeout: float = option(1200, "Seconds to wait for each engine.")
 
     def __post_init__(self) -> None:
-        check_group(self)
+        super().__post_init__()
         if not 0 < self.timeout < math.inf:
             raise UsageError(f"--timeout must be a positive number of seconds, not "
                              f"{self.timeout:g}")
