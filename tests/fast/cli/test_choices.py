@@ -4,6 +4,7 @@ and the README layout that names every module."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -13,6 +14,9 @@ from kvcalib import choices
 from kvcalib.calibrate import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
 from kvcalib.checkpoint import layouts
 from kvcalib.errors import UsageError
+from kvcalib.evaluate.options import Formats, Gates, HeldOut, LayerSweep, Passkey, Simulation
+from kvcalib.kvcache.capacity import EstimateOptions, Kivi
+from kvcalib.verify.options import EngineOptions
 
 # What the README documents for each choice option, written out by hand.
 DOCUMENTED = {
@@ -55,6 +59,25 @@ def test_python_callers_get_the_same_checks():
         ComputeOptions(pipeline="sequential", attention="sdpa")
     with pytest.raises(UsageError, match="--num-samples must be at least 1, got 0"):
         SampleOptions(num_samples=0)
+
+
+@pytest.mark.parametrize(("group", "values", "message"), [
+    (HeldOut, {"batch_size": 0}, "--batch-size must be at least 1, got 0"),
+    (Simulation, {"rounding": "up"}, "unknown rounding 'up'; choose one of nearest, "),
+    (Formats, {"names": ["fp8"], "block_size": 0}, "--block-size must be at least 1, got 0"),
+    (Passkey, {"depths": [0.5, 1.5]}, "--passkey-depths must be at most 1, got 1.5"),
+    (LayerSweep, {"samples": 1}, "--sweep-samples must be at least 2, got 1"),
+    (Gates, {"max_kl": -0.1}, "--max-kl must be at least 0, got -0.1"),
+    (EngineOptions, {"max_model_len": 0}, "--max-model-len must be at least 1, got 0"),
+    (Kivi, {"residual": -1}, "--kivi-residual must be at least 0, got -1"),
+    (EstimateOptions, {"context_length": 0}, "--context-length must be at least 1, got 0"),
+])
+def test_eval_verify_and_estimate_groups_check_their_bounds(group, values, message):
+    """eval's, verify's and estimate's groups refuse what their CLI options refuse, when a
+    Python caller builds them."""
+    group()  # the defaults are valid
+    with pytest.raises(UsageError, match=re.escape(message)):
+        group(**values)
 
 
 def test_convert_targets_are_the_layouts_kvcalib_writes():
