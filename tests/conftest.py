@@ -183,6 +183,22 @@ def tiny_model(tmp_path_factory, demo_model) -> Callable[[str], Path]:
     return build
 
 
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory, demo_model) -> Callable[[str], Path]:
+    """Build (once per family) the tiny model of scripts/families.py."""
+    from families import FAMILIES, build_tiny
+
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            folder = tmp_path_factory.mktemp("family")
+            built[name] = build_tiny(FAMILIES[name], folder / "model", demo_model)
+        return built[name]
+
+    return build
+
+
 def _calibrate_demo(tmp_path_factory, demo_model: Path, name: str, *args: str) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / name
     result = run_kvcalib("run", "--model", demo_model, "--output", out, "--dataset", "builtin",

@@ -35,12 +35,23 @@ def kv_absmax_per_sample(model_dir: Path, token_ids: list[list[int]], dtype: str
     model = model if model is not None else _load(model_dir, dtype)
     result = []
     for ids in token_ids:
-        cache = DynamicCache()  # without a config every layer keeps all tokens
+        cache = _cache_keeping_every_token(model)
         model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
         result.append({(layer, kind): states.abs().amax(dim=(0, 2, 3)).float()
                        for layer, entry in enumerate(cache.layers)
+                       if isinstance(getattr(entry, "keys", None), torch.Tensor)
                        for kind, states in (("k", entry.keys), ("v", entry.values))})
     return result
+
+
+def _cache_keeping_every_token(model) -> DynamicCache:
+    """Without a config every layer keeps all tokens, sliding-window layers too. Hybrid
+    models (Mamba, linear attention) need their config's cache layers; none of their
+    attention layers slides."""
+    cache = DynamicCache(config=model.config)
+    plain = ("DynamicLayer", "DynamicSlidingWindowLayer")
+    return cache if any(type(layer).__name__ not in plain for layer in cache.layers) \
+        else DynamicCache()
 
 
 def kv_absmax(model_dir: Path, token_ids: list[list[int]], dtype: str, model=None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,10 +27,9 @@ def attention_modules(model, config: dict[str, Any]) -> dict[str, Any]:
 
     found = {name: m for name, m in model.named_modules() if is_cached_attention_module(m)}
     if not found:
-        arch = (config.get("architectures") or [config.get("model_type")])[0]
-        raise UsageError(f"{arch} has no attention layers llm-compressor can hook (it looks "
-                         "for attention modules that take past_key_values); kvcalib cannot "
-                         "calibrate its KV cache")
+        raise UsageError(f"{geometry.architecture(config)} has no attention layers "
+                         "llm-compressor can hook (it looks for attention modules that take "
+                         "past_key_values); kvcalib cannot calibrate its KV cache")
     return found
 
 
@@ -137,6 +137,7 @@ def run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipeline
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
 
+    give_llama4_experts_their_config(model)
     recorder = AbsmaxRecorder(len(token_ids))
     # Registered like llm-compressor's own hooks, so that the sequential pipeline's second
     # pass over each layer (which only propagates outputs) does not record again.
@@ -147,6 +148,7 @@ def run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipeline
             initialize_hooked_attention(model, module)
             hooks.register_hook(module, recorder.hook(name, "q"), "query")
         initialize_hooked_kv_cache(model, module)
+        answer_seq_length(getattr(module, KV_CACHE_ATTR))
         hooks.register_hook(module, recorder.hook(name, "k"), "key")
         hooks.register_hook(module, recorder.hook(name, "v"), "value")
     # Our own loader keeps the samples in the seeded order (llm-compressor would sort
@@ -172,6 +174,33 @@ def run_oneshot(model, tokenizer, modifier, token_ids: list[list[int]], pipeline
     finally:
         hooks.remove_hooks()
     return recorder
+
+
+def give_llama4_experts_their_config(model) -> None:
+    """llm-compressor 0.14.0.1 linearizes MoE experts before it calibrates, and its Llama 4
+    converter (llmcompressor/modeling/moe/llama4.py, from_experts_module) reads
+    `config.text_config`, which only the multimodal Llama4Config has: a text-only
+    Llama4ForCausalLM fails with AttributeError. Its experts get the config it looks for
+    (the converter only reads the expert count and sizes from it)."""
+    if hasattr(model.config, "text_config"):
+        return
+    for module in model.modules():
+        if type(module).__name__ == "Llama4TextExperts":
+            module.config = types.SimpleNamespace(text_config=model.config)
+
+
+def answer_seq_length(wrapper) -> None:
+    """compressed-tensors 0.19 puts its QuantizedKVCache in place of `past_key_values` even
+    when there is no cache (compressed_tensors/modeling/kvcache.py,
+    _kv_cache_attention_hook), and it has no get_seq_length of its own: Llama 4's NoPE
+    layers call it (attention temperature tuning) and fail with AttributeError. It answers
+    for the cache it wraps, or 0: calibration samples start at position 0."""
+    def get_seq_length(layer_idx: int = 0) -> int:
+        wrapped = wrapper.__dict__.get("past_key_values")
+        cache = wrapped() if wrapped is not None else None
+        return cache.get_seq_length(layer_idx) if cache is not None else 0
+
+    wrapper.get_seq_length = get_seq_length
 
 
 @contextlib.contextmanager

@@ -1,0 +1,97 @@
+"""Every model family of scripts/families.py through kvcalib, without an engine.
+
+Each family's tiny model keeps its real attention geometry. For each: `run` writes k/v
+scales for exactly its attention layers (from the layer types the family declares, not
+from kvcalib's geometry), each equal to absmax/448 recomputed from a plain transformers
+forward (tests/reference.py); static verify passes; a short simulated eval runs on the
+same layers. MLA families are refused before anything is loaded or written, and static
+verify fails an MLA checkpoint made elsewhere, naming vLLM's file and function.
+The engine part for MoE, hybrid and MLA families is in tests/verify/test_families_engine.py;
+scripts/architectures.py runs the whole matrix in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import builtin
+from families import FAMILIES, with_kv_scales
+from kvcalib.calibrate import ScaleOptions, calibrate
+from kvcalib.checkpoint.read import open_checkpoint
+from kvcalib.checks import FAIL, PASS
+from kvcalib.errors import UsageError
+from reference import expected_scale, kv_absmax, sample_token_ids, saved_scales
+
+MLA = [name for name, family in FAMILIES.items() if family.mla]
+CALIBRATED = [name for name in FAMILIES if name not in MLA]
+
+
+@pytest.mark.parametrize("name", CALIBRATED)
+def test_family_calibrates_its_attention_layers_to_the_recomputed_absmax(name, family_model,
+                                                                          tmp_path):
+    family = FAMILIES[name]
+    model = family_model(name)
+    out = calibrate(model, tmp_path / "out", scales=ScaleOptions(strategy="attn_head"),
+                    samples=builtin(2, 48), log=lambda _: None).output
+    layers = family.attention_layers()
+    kv_heads = family.tiny_kwargs()["num_key_value_heads"]
+    scales = saved_scales(out)
+    assert sorted(scales) == sorted(f"model.layers.{layer}.self_attn.{kind}_scale"
+                                    for layer in layers for kind in ("k", "v"))
+    report = json.loads((out / "kvcalib_report.json").read_text())
+    reference = kv_absmax(model, sample_token_ids(out), report["compute"]["dtype"])
+    assert sorted({layer for layer, _ in reference}) == layers
+    for (layer, kind), absmax in reference.items():
+        saved = scales[f"model.layers.{layer}.self_attn.{kind}_scale"]
+        assert saved.shape == (kv_heads, 1, 1)
+        want = expected_scale(absmax, "attn_head", torch.bfloat16)
+        # Within one bf16 step: both compute in bf16, through different kernels (gpt-oss's
+        # key bias rounds differently under llm-compressor's hooks).
+        torch.testing.assert_close(saved.flatten().float(), want.float(), rtol=2**-7, atol=0)
+    _, checks = open_checkpoint(out)
+    assert [c.message for c in checks if c.status == FAIL] == []
+    passed = [c for c in checks if c.group == "scales" and c.status == PASS]
+    assert sorted(c.layer for c in passed) == sorted(layers * 2)  # k and v
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "Qwen3-Next", "Granite-4.0-H"])
+def test_simulated_eval_quantizes_the_attention_layers_of_each_kind(name, family_model,
+                                                                    tmp_path):
+    """Sinks and a sliding window (gpt-oss), gated delta net (Qwen3-Next), Mamba-2 without
+    positions (Granite): eval's simulated cache touches the attention layers alone, and
+    scale 1.0 on keys of this size costs something but stays finite."""
+    from kvcalib.evaluate import EvalOptions, HeldOut, evaluate
+
+    ckpt = calibrate(family_model(name), tmp_path / "out", samples=builtin(2, 48),
+                     log=lambda _: None).output
+    result = evaluate(ckpt, EvalOptions(held_out=HeldOut(num_samples=2, max_seq_len=48)),
+                      log=lambda _: None).to_dict()
+    layers = FAMILIES[name].attention_layers()
+    assert result["layer_scales"]["layers"] == layers
+    for metrics in result["metrics"].values():
+        assert 0 <= metrics["mean_kl"] < 1
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_mla_family_is_refused_before_loading_and_writes_nothing(name, family_model, tmp_path):
+    with pytest.raises(UsageError) as refused:
+        calibrate(family_model(name), tmp_path / "out", samples=builtin(1, 16),
+                  log=lambda _: None)
+    said = str(refused.value)
+    assert "multi-head latent attention" in said
+    assert "base_config.py, QuantizationConfig.get_cache_scale_mapper" in said
+    assert "576 values per token" in said  # kv_lora_rank 512 + qk_rope_head_dim 64
+    assert not (tmp_path / "out").exists()
+
+
+def test_static_verify_fails_an_mla_checkpoint_made_elsewhere(family_model, tmp_path):
+    ckpt = with_kv_scales(family_model("DeepSeek-V3"), tmp_path / "llmc-style")
+    _, checks = open_checkpoint(ckpt)
+    failed = [c.message for c in checks if c.status == FAIL]
+    assert len(failed) == 1
+    assert failed[0].startswith("vLLM will not load these scales: DeepseekV3ForCausalLM uses "
+                                "multi-head latent attention")
+    assert "maybe_remap_kv_scale_name" in failed[0]
