@@ -19,6 +19,7 @@ from kvcalib.dtypes import DTYPES
 from kvcalib.errors import CheckpointError, UsageError
 from kvcalib.files import check_output_target, load_config
 from kvcalib.hub import resolve_model
+from kvcalib.kvcache import geometry
 
 
 def check_launch(model: str | Path, output: str | Path, nproc: int, scales: ScaleOptions,
@@ -102,6 +103,10 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{model_dir}: model type {config.get('model_type')!r} is not a "
                          "causal language model transformers can load")
+    reason = geometry.unloadable_scales(geometry.complete_config(config)[0])
+    if reason:
+        raise UsageError(f"{model_dir}: {reason}. kvcalib writes no scales the engine would "
+                         "not use")
     try:
         weight_files(model_dir)
     except CheckpointError as exc:  # the input is unusable: not a failed check

@@ -91,6 +91,35 @@ class Geometry:
         return 2 * self.num_kv_heads * self.head_dim
 
 
+# vLLM 0.32 loads no KV scales into MLA layers, whatever the checkpoint names them.
+MLA_SCALES_NOT_LOADED = (
+    "{arch} uses multi-head latent attention (MLA), and vLLM 0.32 loads no KV scales into "
+    "MLA layers: its cache-scale name mapping (vllm/model_executor/layers/quantization/"
+    "base_config.py, QuantizationConfig.get_cache_scale_mapper) renames every k_scale and "
+    "v_scale to <layer>.self_attn.attn.k_scale, while an MLA layer's scale is "
+    "<layer>.self_attn.mla_attn.mla_attn.k_scale (vllm/model_executor/layers/mla.py, "
+    "MultiHeadLatentAttentionWrapper), so maybe_remap_kv_scale_name (vllm/model_executor/"
+    "model_loader/weight_utils.py) drops it with \"not found the expected name in the "
+    "model\". MLA also caches one latent of {latent} values per token, scaled by k_scale "
+    "alone, not the per-head keys and values llm-compressor observes. Until vLLM maps the "
+    "name, serve MLA models with a 16-bit cache, or with an FP8 cache at scale 1.0 once "
+    "their accuracy is checked (docs/architectures.md)")
+
+
+def architecture(config: dict[str, Any]) -> str:
+    """The model class config.json names (its model_type when it names none)."""
+    return str((config.get("architectures") or [config.get("model_type", "?")])[0])
+
+
+def unloadable_scales(config: dict[str, Any]) -> str | None:
+    """Why vLLM would not load KV scales written for this model, or None."""
+    shape = geometry(config)
+    if shape.mla_latent_dim is not None:
+        return MLA_SCALES_NOT_LOADED.format(arch=architecture(config),
+                                            latent=shape.mla_latent_dim)
+    return None
+
+
 def layer_number(module_name: str) -> int | None:
     """The decoder layer number in a module name such as model.layers.7.self_attn."""
     match = re.search(r"\.(\d+)\.", f".{module_name}.")
