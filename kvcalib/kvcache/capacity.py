@@ -43,7 +43,10 @@ With a budget:
   vLLM 0.32.0 on CPU uses 128-token blocks (16 for MLA); its GPU backends default to 16.
 - max concurrency: the budget // the bytes of one T-token request (windows applied),
   in whole requests. vLLM rounds each layer's tokens up to whole blocks, so when T is not a
-  multiple of the block size it fits slightly fewer.
+  multiple of the block size it fits slightly fewer. For sliding-window and chunked layers
+  its reservation (max_memory_usage_bytes in v1/kv_cache_interface.py, which its "Maximum
+  concurrency" uses) is larger still: one block more than a sliding window, plus the
+  scheduler's in-flight tokens (max_num_batched_tokens per concurrent batch) per layer.
 """
 
 from __future__ import annotations
@@ -254,12 +257,15 @@ def _attention(shape: geometry.Geometry) -> str:
 
 
 def _skip_layers(items: list[str], shape: geometry.Geometry) -> set[int]:
-    """Layer indices vLLM keeps 16-bit: indices, or 'sliding_window' for every sliding layer."""
+    """Layer indices vLLM keeps 16-bit: indices, or 'sliding_window' for every sliding layer.
+    Not Llama 4's chunked layers: vLLM's Attention matches 'sliding_window' by the layer's
+    sliding window, and ChunkedLocalAttention has none."""
     skipped: set[int] = set()
     attention = shape.attention_layers
     for item in (item.strip() for item in items):
         if item == "sliding_window":
-            sliding = [layer.index for layer in shape.layers if layer.kind == geometry.SLIDING]
+            sliding = [layer.index for layer in shape.layers if layer.kind == geometry.SLIDING
+                       and layer.block_type != "chunked_attention"]
             if not sliding:
                 raise UsageError("skip layer 'sliding_window': the model has no sliding-window "
                                  "layers")

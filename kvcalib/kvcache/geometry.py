@@ -18,6 +18,7 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 # transformers' own default when a config with a sliding window has neither layer_types nor
 # sliding_window_pattern (config.json leaves out values equal to the class's defaults).
 DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+LLAMA4_TYPES = ("llama4", "llama4_text")  # chunked attention without layer_types
 # Fields whose class defaults change the KV cache's shape (see complete_config).
 KV_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
              "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "sliding_window", "layer_types",
@@ -215,6 +216,8 @@ def _layers(cfg: dict[str, Any], num_layers: int) -> list[Layer]:
     if cfg.get("layer_types"):
         types = _type_list(cfg, "layer_types")
         return [_from_type(i, t, window, cfg) for i, t in enumerate(types[:num_layers])]
+    if cfg.get("model_type") in LLAMA4_TYPES and cfg.get("attention_chunk_size"):
+        return [_from_type(i, t, window, cfg) for i, t in enumerate(_llama4_types(cfg, num_layers))]
     if cfg.get("layers_block_type"):  # Jamba, Granite hybrid, Nemotron 3: "attention", "mamba"
         return [_from_type(i, t, window, cfg)
                 for i, t in enumerate(_type_list(cfg, "layers_block_type")[:num_layers])]
@@ -242,6 +245,20 @@ def _layers(cfg: dict[str, Any], num_layers: int) -> list[Layer]:
         return [Layer(i, FULL) if (i + 1) % pattern == 0 else Layer(i, SLIDING, window)
                 for i in range(num_layers)]
     return [Layer(i, SLIDING, window) for i in range(num_layers)]  # Mistral-style
+
+
+def _llama4_types(cfg: dict[str, Any], num_layers: int) -> list[str]:
+    """Llama 4's layer types when config.json lists none (it predates layer_types): vLLM's
+    llama4.py gives every layer chunked attention but the NoPE layers (no_rope_layers[i] == 0),
+    which attend globally. transformers' Llama4TextConfig derives no_rope_layers, when empty,
+    from no_rope_layer_interval (default 4): every interval-th layer is NoPE."""
+    no_rope = cfg.get("no_rope_layers")
+    if not no_rope:
+        interval = config_int(cfg, "no_rope_layer_interval", required=False) or 4
+        no_rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(no_rope, list):
+        raise UsageError("config.json: no_rope_layers must be a list of 0 and 1")
+    return ["chunked_attention" if rope else "full_attention" for rope in no_rope[:num_layers]]
 
 
 def _from_type(index: int, layer_type: str, window: int | None, cfg: dict[str, Any]) -> Layer:
