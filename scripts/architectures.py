@@ -118,7 +118,7 @@ def skip_advice(model: Path, work: Path) -> dict:
             "context": skip.get("context_length"), "fp8_request_bytes": fp8_bytes}
 
 
-def per_head_honoured(family_ckpt: dict, engine: dict) -> str:
+def per_head_honoured(engine: dict) -> str:
     """Whether vLLM kept one scale per KV head: the read-back tensor's size."""
     scales = engine.get("scales") or {}
     if not scales:
@@ -223,7 +223,7 @@ def markdown(rows: list[dict], engine: bool, versions: dict[str, str], date: str
             readback_cell = ", ".join(f"{e['readback_pass']}/{e['readback_total']}"
                                       for e in loads)
             if head.get("engine"):
-                heads_cell = per_head_honoured(head, head["engine"])
+                heads_cell = per_head_honoured(head["engine"])
         skip = row["skip"]
         skip_cell = skip["said"][:200]
         if skip.get("skip_layers"):

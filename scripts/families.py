@@ -16,7 +16,7 @@ every family through calibration in CI.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,6 @@ class Family:
     tiny: dict[str, Any]
     q_scale: bool = True  # whether kvcalib's --q-scale applies (attention classes it can hook)
     notes: str = ""
-    engine_in_ci: bool = False  # one engine start in CI (covers MLA, MoE and hybrid)
-    common: dict[str, Any] = field(default_factory=lambda: dict(TINY_COMMON))
 
     @property
     def model_type(self) -> str:
@@ -62,7 +60,7 @@ class Family:
 
     def tiny_kwargs(self) -> dict[str, Any]:
         """The tiny model's config: the published geometry, then the tiny sizes."""
-        kwargs = {**self.published, **self.common, **self.tiny}
+        kwargs = {**self.published, **TINY_COMMON, **self.tiny}
         kwargs.pop("model_type")
         return kwargs
 
@@ -70,6 +68,17 @@ class Family:
 def _layer_types(pattern: list[str], count: int) -> list[str]:
     return [pattern[i % len(pattern)] for i in range(count)]
 
+
+# Kimi-K2 is DeepSeek-V3's architecture with other sizes.
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+    "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}
 
 FAMILIES: dict[str, Family] = {family.name: family for family in [
     Family(
@@ -113,8 +122,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
          "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
          "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
         {"num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 2,
-         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
-        engine_in_ci=True),
+         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}),
     Family(
         "gpt-oss", "MoE, sliding window, sinks", f"{HUB}/openai/gpt-oss-20b/blob/main/config.json",
         {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64,
@@ -185,7 +193,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
          "num_experts_per_tok": 2, "moe_intermediate_size": 64,
          "shared_expert_intermediate_size": 64},
-        notes="3 gated-delta-net layers : 1 gated attention layer", engine_in_ci=True),
+        notes="3 gated-delta-net layers : 1 gated attention layer"),
     Family(
         "Granite-4.0-H", "hybrid (Mamba-2), MoE",
         f"{HUB}/ibm-granite/granite-4.0-h-small/blob/main/config.json",
@@ -213,34 +221,18 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
         notes="attention and Mamba-2 side by side in every layer"),
     Family(
         "DeepSeek-V3", "MLA, MoE", f"{HUB}/deepseek-ai/DeepSeek-V3/blob/main/config.json",
-        {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
-         "num_key_value_heads": 128, "hidden_size": 7168, "q_lora_rank": 1536,
-         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-         "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
-         "n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
-         "topk_method": "noaux_tc",
-         "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
-                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
-                             "mscale_all_dim": 1.0,
-                             "original_max_position_embeddings": 4096}},
+        DEEPSEEK_V3,
         {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
          "q_lora_rank": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
          "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 2,
          "topk_group": 1},
-        q_scale=False, notes="caches one latent of 512 + 64 per token and layer",
-        engine_in_ci=True),
+        q_scale=False, notes="caches one latent of 512 + 64 per token and layer"),
     Family(
         "Kimi-K2", "MLA, MoE", f"{HUB}/moonshotai/Kimi-K2-Instruct/blob/main/config.json",
-        {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 64,
-         "num_key_value_heads": 64, "hidden_size": 7168, "q_lora_rank": 1536,
-         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-         "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8,
-         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-         "topk_method": "noaux_tc",
-         "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 50000.0,
-                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                             "mscale_all_dim": 1.0,
-                             "original_max_position_embeddings": 4096}},
+        {**DEEPSEEK_V3, "num_attention_heads": 64, "num_key_value_heads": 64,
+         "n_routed_experts": 384, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+         "rope_parameters": {**DEEPSEEK_V3["rope_parameters"], "factor": 32.0,
+                             "rope_theta": 50000.0, "beta_fast": 1.0}},
         {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
          "q_lora_rank": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
          "moe_intermediate_size": 64},

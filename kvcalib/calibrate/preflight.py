@@ -103,7 +103,8 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{model_dir}: model type {config.get('model_type')!r} is not a "
                          "causal language model transformers can load")
-    reason = geometry.unloadable_scales(geometry.complete_config(config)[0])
+    full = geometry.complete_config(config)[0]
+    reason = geometry.unloadable_scales(geometry.geometry(full), full)
     if reason:
         raise UsageError(f"{model_dir}: {reason}. kvcalib writes no scales the engine would "
                          "not use")

@@ -112,9 +112,8 @@ def architecture(config: dict[str, Any]) -> str:
     return str((config.get("architectures") or [config.get("model_type", "?")])[0])
 
 
-def unloadable_scales(config: dict[str, Any]) -> str | None:
+def unloadable_scales(shape: Geometry, config: dict[str, Any]) -> str | None:
     """Why vLLM would not load KV scales written for this model, or None."""
-    shape = geometry(config)
     if shape.mla_latent_dim is not None:
         return MLA_SCALES_NOT_LOADED.format(arch=architecture(config),
                                             latent=shape.mla_latent_dim)
