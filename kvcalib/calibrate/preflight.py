@@ -103,8 +103,7 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{model_dir}: model type {config.get('model_type')!r} is not a "
                          "causal language model transformers can load")
-    full = geometry.complete_config(config)[0]
-    reason = geometry.unloadable_scales(geometry.geometry(full), full)
+    reason = geometry.unloadable_scales(config)
     if reason:
         raise UsageError(f"{model_dir}: {reason}. kvcalib writes no scales the engine would "
                          "not use")

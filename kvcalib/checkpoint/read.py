@@ -139,7 +139,7 @@ def open_checkpoint(folder: str | Path) -> tuple[Checkpoint, list[Check]]:
     except KvcalibError as exc:
         return ckpt, [Check("scheme", FAIL, str(exc))]
     checks = [_scheme_check(ckpt.scheme)]
-    if ckpt.scheme is not None and (reason := geometry.unloadable_scales(ckpt.geometry, config)):
+    if ckpt.scheme is not None and (reason := geometry.unloadable_scales(config)):
         checks.append(Check("scheme", FAIL, f"vLLM will not load these scales: {reason}"))
     try:
         ckpt = replace(ckpt, tensors=tensor_index(ckpt.folder))

@@ -112,12 +112,20 @@ def architecture(config: dict[str, Any]) -> str:
     return str((config.get("architectures") or [config.get("model_type", "?")])[0])
 
 
-def unloadable_scales(shape: Geometry, config: dict[str, Any]) -> str | None:
-    """Why vLLM would not load KV scales written for this model, or None."""
-    if shape.mla_latent_dim is not None:
-        return MLA_SCALES_NOT_LOADED.format(arch=architecture(config),
-                                            latent=shape.mla_latent_dim)
+def unloadable_scales(config: dict[str, Any]) -> str | None:
+    """Why vLLM would not load KV scales written for this model, or None. Reads only what
+    the rule needs: models without attention have no KV shape, and say so elsewhere."""
+    latent = mla_latent_dim(text_config(config))
+    if latent is not None:
+        return MLA_SCALES_NOT_LOADED.format(arch=architecture(config), latent=latent)
     return None
+
+
+def mla_latent_dim(cfg: dict[str, Any]) -> int | None:
+    """DeepSeek-style MLA caches one latent of kv_lora_rank + rope dims per token and layer."""
+    if cfg.get("kv_lora_rank") is None:
+        return None
+    return config_int(cfg, "kv_lora_rank") + config_int(cfg, "qk_rope_head_dim", least=0)
 
 
 def layer_number(module_name: str) -> int | None:
@@ -183,9 +191,7 @@ def geometry(config: dict[str, Any]) -> Geometry:
         head_dim = config_int(cfg, "hidden_size", "n_embd", "d_model") // num_heads
         if head_dim == 0:
             raise UsageError(f"config.json: hidden size below {num_heads} heads: no head_dim")
-    mla = None
-    if cfg.get("kv_lora_rank") is not None:
-        mla = config_int(cfg, "kv_lora_rank") + config_int(cfg, "qk_rope_head_dim", least=0)
+    mla = mla_latent_dim(cfg)
     # A nested text_config may say dtype None where the outer config has it.
     dtype = str(_first(cfg, "torch_dtype", "dtype") or _first(config, "torch_dtype", "dtype")
                 or "bfloat16")
