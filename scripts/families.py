@@ -161,6 +161,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
         {"model_type": "minimax_m2", "num_hidden_layers": 62, "num_attention_heads": 48,
          "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 3072,
          "num_local_experts": 256, "num_experts_per_tok": 8, "rotary_dim": 64,
+         "scoring_func": "sigmoid", "use_routing_bias": True,
          "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
                              "partial_rotary_factor": 0.5}},
         {"num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 2,
