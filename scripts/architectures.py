@@ -154,7 +154,8 @@ def run_family(family: Family, tokenizer_from: Path, work: Path, engine: bool) -
 
 
 def status(row: dict, engine: bool) -> str:
-    """PASS: every run calibrated, verified and (with the engine) read back equal.
+    """PASS: every run calibrated, verified, (with the engine) read back equal and, with
+    `tensor`, evaluated.
     REFUSED: run refused every strategy with a reason (exit 2), writing nothing.
     FAIL: anything else."""
     runs = row["runs"].values()
@@ -164,6 +165,8 @@ def status(row: dict, engine: bool) -> str:
         if r["exit"] != 0 or r["static"]["exit"] != 0:
             return "FAIL"
         if engine and r["engine"]["exit"] != 0:
+            return "FAIL"
+        if r.get("eval", {}).get("exit", 0) != 0:
             return "FAIL"
     return "PASS"
 

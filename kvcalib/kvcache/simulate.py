@@ -214,13 +214,17 @@ def install(model) -> None:
     original = model.config._attn_implementation
     if original == SIM_ATTENTION:
         return
+    # Every module with a layer index: only attention modules call the attention function,
+    # whatever their projections are called (Phi-3's fused qkv_proj has no k_proj).
     for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "k_proj"):
+        if hasattr(module, "layer_idx"):
             if original == "eager":  # each model file has its own (softcapping, sinks)
-                impl = sys.modules[type(module).__module__].eager_attention_forward
+                impl = getattr(sys.modules[type(module).__module__],
+                               "eager_attention_forward", None)
             else:
                 impl = ALL_ATTENTION_FUNCTIONS[original]
-            module._kvcalib_original_attention = impl
+            if impl is not None:
+                module._kvcalib_original_attention = impl
     ALL_ATTENTION_FUNCTIONS.register(SIM_ATTENTION, _simulated_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(SIM_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     model.set_attn_implementation(SIM_ATTENTION)

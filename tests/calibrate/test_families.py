@@ -23,6 +23,7 @@ from kvcalib.calibrate import ScaleOptions, calibrate
 from kvcalib.checkpoint.read import open_checkpoint
 from kvcalib.checks import FAIL, PASS
 from kvcalib.errors import UsageError
+from kvcalib.evaluate import EvalOptions, HeldOut, evaluate
 from reference import expected_scale, kv_absmax, sample_token_ids, saved_scales
 
 MLA = [name for name, family in FAMILIES.items() if family.mla]
@@ -55,21 +56,11 @@ def test_family_calibrates_its_attention_layers_to_the_recomputed_absmax(name, f
     assert [c.message for c in checks if c.status == FAIL] == []
     passed = [c for c in checks if c.group == "scales" and c.status == PASS]
     assert sorted(c.layer for c in passed) == sorted(layers * 2)  # k and v
-
-
-@pytest.mark.parametrize("name", ["gpt-oss", "Qwen3-Next", "Granite-4.0-H"])
-def test_simulated_eval_quantizes_the_attention_layers_of_each_kind(name, family_model,
-                                                                    tmp_path):
-    """Sinks and a sliding window (gpt-oss), gated delta net (Qwen3-Next), Mamba-2 without
-    positions (Granite): eval's simulated cache touches the attention layers alone, and
-    scale 1.0 on keys of this size costs something but stays finite."""
-    from kvcalib.evaluate import EvalOptions, HeldOut, evaluate
-
-    ckpt = calibrate(family_model(name), tmp_path / "out", samples=builtin(2, 48),
-                     log=lambda _: None).output
-    result = evaluate(ckpt, EvalOptions(held_out=HeldOut(num_samples=2, max_seq_len=48)),
+    # The simulated cache touches the attention layers alone, whatever their projections
+    # (Phi-4's fused qkv_proj), windows and sinks (gpt-oss), or neighbours (gated delta
+    # net, Mamba-2); scale 1.0 on keys of this size costs something but stays finite.
+    result = evaluate(out, EvalOptions(held_out=HeldOut(num_samples=2, max_seq_len=48)),
                       log=lambda _: None).to_dict()
-    layers = FAMILIES[name].attention_layers()
     assert result["layer_scales"]["layers"] == layers
     for metrics in result["metrics"].values():
         assert 0 <= metrics["mean_kl"] < 1
