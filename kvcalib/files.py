@@ -196,6 +196,31 @@ def atomic_output_file(target: Path) -> Iterator[Path]:
 
 
 @contextmanager
+def new_file(path: Path) -> Iterator[BinaryIO]:
+    """Open a file that will become `path`, which must not exist yet.
+
+    The bytes go to a temporary file created exclusively (O_EXCL) beside `path`, which is
+    then linked to `path` (failing if that name was taken) and unlinked. So nothing is
+    ever opened for writing through an existing name: a hard link to an input file, or a
+    file written a moment before under the same name, is refused rather than overwritten.
+    """
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.link(name, path)
+    finally:
+        os.unlink(name)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """`data` as the new file `path` (see new_file: an existing file is never written)."""
+    with new_file(path) as f:
+        f.write(data)
+
+
+@contextmanager
 def atomic_output_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside `target`; move it into place only on success.
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcalib.dtypes import BY_TORCH_NAME, DTYPES, FP8_BITS
 from kvcalib.errors import CheckpointError
-from kvcalib.files import open_file, parse_json, read_json
+from kvcalib.files import new_file, open_file, parse_json, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors' own limit (MAX_HEADER_SIZE); a 1 TB model's header is a few MB.
@@ -196,10 +196,10 @@ def decode(raw: bytes, dtype: str, name: str = "tensor") -> np.ndarray:
 
 def copy_tensors(folder: Path, name: str, dst: Path, drop: set[str]) -> None:
     """Write `folder/name` to `dst` without the tensors in `drop`; every kept tensor's bytes
-    are unchanged."""
+    are unchanged. `dst` must be a new name (see files.new_file)."""
     tensors, metadata = read_header(folder, name)
     kept = sorted((v for k, v in tensors.items() if k not in drop), key=lambda i: i.start)
-    with open_file(folder, name) as fin, open(dst, "wb") as fout:
+    with open_file(folder, name) as fin, new_file(dst) as fout:
         fout.write(safetensors_header([(i.name, i.dtype, i.shape, i.end - i.start)
                                        for i in kept], metadata))
         for info in kept:
@@ -214,9 +214,9 @@ def copy_tensors(folder: Path, name: str, dst: Path, drop: set[str]) -> None:
 def write_tensors(path: Path, tensors: dict[str, RawTensor]) -> None:
     """A safetensors file of name -> (dtype, shape, little-endian bytes), laid out by name as
     safetensors.torch.save_file lays out tensors of one dtype, byte for byte; numpy, which
-    safetensors.numpy goes through, has no bfloat16."""
+    safetensors.numpy goes through, has no bfloat16. `path` must be a new name."""
     ordered = sorted(tensors.items())
-    with open(path, "wb") as f:
+    with new_file(path) as f:
         f.write(safetensors_header([(name, dtype, shape, len(raw))
                                     for name, (dtype, shape, raw) in ordered], {"format": "pt"}))
         for _, (_, _, raw) in ordered:

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvcalib.checkpoint import layouts
 from kvcalib.checkpoint.read import Checkpoint
@@ -38,6 +38,7 @@ from kvcalib.checkpoint.safetensors import (
     write_tensors,
 )
 from kvcalib.errors import UsageError
+from kvcalib.files import new_file, write_new
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 SCALES_FILE = "kv_scales.safetensors"
@@ -85,37 +86,36 @@ def _clone_problem(source: Path, target_dir: Path) -> str | None:
 
 
 def place(source: Path, target: Path, mode: str) -> None:
-    """Make `target` hold `source`'s bytes (symlinks, as in the Hugging Face cache, are
-    followed: the output never points back into the input)."""
+    """Make the new file `target` hold `source`'s bytes (symlinks, as in the Hugging Face
+    cache, are followed: the output never points back into the input). `target` must not
+    exist: every mode fails rather than write through an existing name (files.new_file)."""
     if mode == "link":
-        os.link(source, target)  # follows a symlinked source
-    elif mode == "reflink":
-        with open(source, "rb") as src, open(target, "wb") as dst:
+        os.link(source, target)  # follows a symlinked source; refuses an existing target
+        return
+    with open(source, "rb") as src, new_file(target) as dst:
+        if mode == "reflink":
             fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
-    else:
-        _copy(source, target)
+        else:
+            _copy(src, dst)
 
 
-def _copy(source: Path, target: Path) -> None:
+def _copy(src: BinaryIO, dst: BinaryIO) -> None:
+    """In the kernel where it can (copy_file_range), else through user space."""
+    remaining = os.fstat(src.fileno()).st_size
     try:
-        copied = _copy_in_kernel(source, target)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        copied = False
-    if not copied:
-        shutil.copyfile(source, target)  # through user space
-
-
-def _copy_in_kernel(source: Path, target: Path) -> bool:
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        remaining = os.fstat(src.fileno()).st_size
         while remaining > 0:
             done = os.copy_file_range(src.fileno(), dst.fileno(), min(remaining, 2**30))
             if done == 0:  # some filesystems say 0 instead of refusing
-                return False
+                break
             remaining -= done
-    return True
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    if remaining > 0:  # start again from the beginning, through user space
+        src.seek(0)
+        dst.seek(0)
+        dst.truncate()
+        shutil.copyfileobj(src, dst, 2**24)
 
 
 def write_checkpoint(out: Path, source: Checkpoint, scales: dict[str, RawTensor],
@@ -128,9 +128,35 @@ def write_checkpoint(out: Path, source: Checkpoint, scales: dict[str, RawTensor]
     weight_map.update(dict.fromkeys(scales, SCALES_FILE))
     total = sum((out / f).stat().st_size for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_new(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     config = {**source.config, "quantization_config": quant_config}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_new(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+
+
+# Names kvcalib writes itself; an input weight file never takes one.
+RESERVED = frozenset({SCALES_FILE, INDEX_NAME, "config.json", REPORT_FILE, RECIPE_FILE})
+
+
+def output_names(files: list[str]) -> dict[str, str]:
+    """The output name of each input weight file, all decided before anything is written,
+    none twice and none of RESERVED.
+
+    A lone model.safetensors becomes a one-shard file, because transformers ignores the
+    index when model.safetensors exists; when that name (or a reserved one) is already an
+    input file's, a numbered name is taken instead.
+    """
+    names: dict[str, str] = {}
+    taken = set(RESERVED) | {f for f in files if f != "model.safetensors"}
+    for src in files:
+        wanted = "model-00001-of-00001.safetensors" if src == "model.safetensors" else src
+        if wanted in RESERVED or (wanted != src and wanted in taken):
+            stem = Path(wanted).stem
+            wanted = next(name for n in range(1, len(files) + 2) if
+                          (name := str(Path(wanted).with_name(f"{stem}-{n}.safetensors")))
+                          not in taken)
+        taken.add(wanted)
+        names[src] = wanted
+    return names
 
 
 def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
@@ -142,11 +168,10 @@ def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
     tensors is rewritten without them. A lone model.safetensors becomes a one-shard file,
     because transformers ignores the index when model.safetensors exists.
     """
-    files = weight_files(model_dir)
+    names = output_names(weight_files(model_dir))
     copy_side_files(out, model_dir, leave_out)
     weight_map: dict[str, str] = {}
-    for src in files:
-        name = "model-00001-of-00001.safetensors" if src == "model.safetensors" else src
+    for src, name in names.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         tensors = file_tensors(model_dir, src)
         found, twice = layouts.find_scales(tensors)

@@ -1,0 +1,102 @@
+"""Tiny Llama checkpoints written byte by byte, without torch or kvcalib: inputs for the
+tests of what writing and verifying do to files (collisions, links, missing tensors).
+
+The parameter names are written out here from the Llama architecture (embedding, per
+layer four attention projections, three MLP projections and two norms, final norm; tied
+embeddings, so no lm_head), independently of the names kvcalib derives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+import peers
+
+LAYERS = 2
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 2, 1, 32, 128
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+          "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+          "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+          "vocab_size": VOCAB, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+          "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+KV_SCHEME = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+             "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                 "dynamic": False, "symmetric": True}}
+
+
+def weight_shapes() -> dict[str, list[int]]:
+    """Every parameter of the tiny Llama and its shape."""
+    shapes = {"model.embed_tokens.weight": [VOCAB, HIDDEN], "model.norm.weight": [HIDDEN]}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
+            p + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+            p + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+            p + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
+            p + "mlp.gate_proj.weight": [INTER, HIDDEN],
+            p + "mlp.up_proj.weight": [INTER, HIDDEN],
+            p + "mlp.down_proj.weight": [HIDDEN, INTER],
+            p + "input_layernorm.weight": [HIDDEN],
+            p + "post_attention_layernorm.weight": [HIDDEN]})
+    return shapes
+
+
+def scale_names() -> list[str]:
+    return [f"model.layers.{i}.self_attn.{kind}_scale" for i in range(LAYERS) for kind in "kv"]
+
+
+def bf16(values: np.ndarray) -> bytes:
+    """float values as bfloat16 bytes (truncated: any bf16 will do for weights)."""
+    return (np.asarray(values, "<f4").view("<u4") >> 16).astype("<u2").tobytes()
+
+
+def write_file(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    peers._write(path, [(name, dtype, shape, raw) for name, (dtype, shape, raw)
+                        in sorted(tensors.items())])
+
+
+def build(folder: Path, files: dict[str, list[str]], *, index: bool = False,
+          scheme: bool = True, seed: int = 0) -> Path:
+    """A tiny Llama in `folder`: `files` maps each safetensors file name to the tensor
+    names it holds (weights of weight_shapes, scales of scale_names, 0.05 each). With
+    `index`, a model.safetensors.index.json names them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shapes = weight_shapes()
+    config = {**CONFIG, **({"quantization_config": KV_SCHEME} if scheme else {})}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text('{"tiny": true}')
+    for name, tensors in files.items():
+        content = {}
+        for tensor in tensors:
+            if tensor in shapes:
+                content[tensor] = ("BF16", shapes[tensor],
+                                   bf16(rng.standard_normal(int(np.prod(shapes[tensor])))))
+            else:
+                content[tensor] = ("BF16", [1], bf16(np.array([0.05])))
+        write_file(folder / name, content)
+    if index:
+        weight_map = {t: name for name, tensors in files.items() for t in tensors}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` (links followed), by relative path."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def indexed_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Every tensor the index of `folder` names, read from the file the index names
+    (a KeyError when it is not there)."""
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    files = {name: peers.raw_tensors(folder / name) for name in set(weight_map.values())}
+    return {tensor: files[name][tensor] for tensor, name in weight_map.items()}
