@@ -100,3 +100,20 @@ def indexed_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     files = {name: peers.raw_tensors(folder / name) for name in set(weight_map.values())}
     return {tensor: files[name][tensor] for tensor, name in weight_map.items()}
+
+
+def complete_weights(config: dict) -> dict[str, np.ndarray]:
+    """One-value stand-ins for every weight `config`'s architecture needs, for tests of
+    other things than that check (verify now fails a checkpoint without its weights).
+    The names are the ones kvcalib.checkpoint.expected derives (the model class where
+    transformers imports, else one weight per declared layer): this builds inputs, it
+    checks nothing. At most 16 layers."""
+    from kvcalib.checkpoint.expected import expected
+
+    # at most 16 layers: hostile configs claim a billion, which the files never hold
+    layers = config.get("num_hidden_layers")
+    layers = min(layers, 16) if isinstance(layers, int) and not isinstance(layers, bool) else 0
+    names = set(expected({**config, "num_hidden_layers": layers}).parameters) or {
+        "model.embed_tokens.weight"} | {f"model.layers.{i}.mlp.down_proj.weight"
+                                        for i in range(layers)}
+    return {name: np.zeros(1, dtype=np.float16) for name in sorted(names)}

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvcalib.calibrate import distributed, memory, weight_schemes
 from kvcalib.calibrate.options import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
+from kvcalib.checkpoint.expected import weight_problems
 from kvcalib.checkpoint.read import Checkpoint, open_model
 from kvcalib.checkpoint.safetensors import weight_files
 from kvcalib.checkpoint.write import choose_placement
@@ -59,6 +60,11 @@ def preflight(model: str | Path, output: str | Path, scales: ScaleOptions,
     if ranks.writer:
         target = check_output_target(target, model_dir, writing.overwrite)
     source = open_model(model_dir, _check_causal_lm(model_dir))
+    problems = weight_problems(source.tensors, source.config)
+    if problems:  # transformers would fill them at random, or drop them, and calibrate noise
+        raise UsageError(f"{model_dir}: {problems.describe()}. transformers would fill "
+                         "missing weights at random and drop unexpected ones, so the scales "
+                         "would not be the model's; nothing was loaded")
     input_quant = weight_schemes.input_quantization(model_dir, source.config)
     if scheme is not None and input_quant is not None:
         raise UsageError(f"--scheme quantizes the weights of an unquantized checkpoint, and "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcalib.checkpoint import layouts
+from kvcalib.checkpoint import expected, layouts
 from kvcalib.checkpoint.report_file import CalibrationReport, load_report
 from kvcalib.checkpoint.safetensors import TensorInfo, read_tensor, tensor_index
 from kvcalib.checks import FAIL, PASS, WARN, Check
@@ -145,12 +145,18 @@ def open_checkpoint(folder: str | Path) -> tuple[Checkpoint, list[Check]]:
         ckpt = replace(ckpt, tensors=tensor_index(ckpt.folder))
     except KvcalibError as exc:
         return ckpt, [*checks, Check("weights", FAIL, str(exc))]
-    checks.append(Check("weights", PASS, f"{len(ckpt.tensors)} tensors in "
-                        f"{len({t.file for t in ckpt.tensors.values()})} safetensors files"))
     layer_check = _layers_check(ckpt.geometry, ckpt.tensors)
-    checks.append(layer_check)
     if layer_check.status != PASS:
-        return ckpt, checks
+        return ckpt, [*checks, layer_check]
+    problems = expected.weight_problems(ckpt.tensors, config)
+    if problems:
+        checks.append(Check("weights", FAIL, problems.describe(),
+                            value=len(problems.missing) + len(problems.unexpected)))
+    else:
+        checks.append(Check("weights", PASS, f"{len(ckpt.tensors)} tensors in "
+                            f"{len({t.file for t in ckpt.tensors.values()})} safetensors "
+                            f"files: every weight {problems.source} needs, and no other"))
+    checks.append(layer_check)
     found, duplicates = layouts.find_scales(ckpt.tensors)
     checks += [Check("scales", FAIL, f"{name}: a second scale for the same layer and kind",
                      tensor=name) for name in duplicates]
@@ -192,7 +198,9 @@ def _layers_check(shape: geometry.Geometry, tensors: dict[str, TensorInfo]) -> C
         kinds = ", ".join(sorted({layer.block_type for layer in shape.layers})) or "none"
         return Check("layers", FAIL, f"config.json declares no attention layers "
                      f"({shape.num_layers} layers: {kinds}): there is no KV cache to check")
-    held = {geometry.layer_number(name) for name in tensors} - {None}
+    scales = {s.info.name for s in layouts.find_scales(tensors)[0]}
+    # a layer's KV scales alone are not the layer
+    held = {geometry.layer_number(name) for name in set(tensors) - scales} - {None}
     missing = sorted(set(attention) - held)
     if missing:
         return Check("layers", FAIL, f"config.json declares {shape.num_layers} layers, but the "

@@ -22,7 +22,9 @@ from kvcalib.files import new_file, open_file, parse_json, read_json
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors' own limit (MAX_HEADER_SIZE); a 1 TB model's header is a few MB.
 MAX_HEADER_BYTES = 100_000_000
-RawTensor = tuple[str, tuple[int, ...], bytes]  # dtype, shape, little-endian bytes
+RawTensor = tuple[str, tuple[int, ...], bytes]
+# How a git-LFS pointer file begins (a clone without git-lfs leaves these for the shards).
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # dtype, shape, little-endian bytes
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,10 @@ def read_header(folder: Path, name: str) -> tuple[dict[str, TensorInfo], dict[st
     with open_file(folder, name) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
+        if head.startswith(LFS_POINTER[:8]) and f.read(len(LFS_POINTER) - 8) == LFS_POINTER[8:]:
+            raise CheckpointError(f"{name}: a git-LFS pointer file ({size} bytes), not the "
+                                  "weights: the download fetched the pointer only (run "
+                                  "`git lfs pull`, or download with huggingface_hub)")
         if len(head) < 8:
             raise CheckpointError(f"{name}: {size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", head)
@@ -138,7 +144,9 @@ def weight_files(folder: Path) -> list[str]:
 
 
 def tensor_index(folder: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint, from the headers only."""
+    """Every tensor of the checkpoint, from the headers only. With an index, each tensor
+    it names must be in the file it names, and each file's tensors must be in the index:
+    loaders look a tensor up in the index, so a header that disagrees loses weights."""
     index: dict[str, TensorInfo] = {}
     for name in weight_files(folder):
         for key, info in file_tensors(folder, name).items():
@@ -146,7 +154,26 @@ def tensor_index(folder: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"tensor {key[:200]} is in both {index[key].file.name} "
                                       f"and {name}")
             index[key] = info
+    if (Path(folder) / INDEX_NAME).exists():
+        _check_index(folder, index)
     return index
+
+
+def _check_index(folder: Path, tensors: dict[str, TensorInfo]) -> None:
+    weight_map = read_json(folder, INDEX_NAME, what="safetensors index")["weight_map"]
+    wrong = sorted(f"{key[:200]} (in {os.path.normpath(name)[:200]})"
+                   for key, name in weight_map.items()
+                   if key not in tensors or tensors[key].file != Path(folder) / os.path.normpath(
+                       name))
+    if wrong:
+        raise CheckpointError(f"{INDEX_NAME} names {len(wrong)} tensors that are not in the "
+                              f"file it names: {', '.join(wrong[:8])}"
+                              + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
+    unindexed = sorted(set(tensors) - set(weight_map))
+    if unindexed:
+        raise CheckpointError(f"{len(unindexed)} tensors are in the shards but not in "
+                              f"{INDEX_NAME}, so loaders never read them: "
+                              f"{', '.join(n[:200] for n in unindexed[:8])}")
 
 
 def _fp8_table(exponent_bits: int, mantissa_bits: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 
 import peers
 from conftest import assert_error, failures, run_kvcalib, tree_digest, verify_static
+from tiny_files import complete_weights
 
 NAMES = {"modelopt": "model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale",
          "quark": "model.layers.{layer}.self_attn.{kind}_proj.output_scale"}
@@ -84,7 +85,7 @@ def _compressed_tensors(folder: Path, scales: dict[str, np.ndarray], extra=None)
                   "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True,
                                       "dynamic": False, "strategy": "attn_head"}}}
     (folder / "config.json").write_text(json.dumps(config))
-    save_file({**scales, **(extra or {}),
+    save_file({**complete_weights(config), **scales, **(extra or {}),
                "model.layers.0.mlp.up_proj.weight": np.ones((4, 4), dtype=np.float16)},
               folder / "model.safetensors")
     return folder
@@ -117,12 +118,10 @@ def test_bad_input(tmp_path):
     quark = peers.materialize("quark-kv-post-rope", tmp_path / "quark")
     plain = tmp_path / "plain"
     plain.mkdir()
-    (plain / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "hidden_size": 512}))
-    save_file({"model.layers.0.self_attn.k_proj.weight": np.ones(2, np.float32),
-               "model.layers.1.self_attn.k_proj.weight": np.ones(2, np.float32)},
-              plain / "model.safetensors")
+    plain_config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+                    "num_key_value_heads": 2, "hidden_size": 512}
+    (plain / "config.json").write_text(json.dumps(plain_config))
+    save_file(complete_weights(plain_config), plain / "model.safetensors")
     fp8_weights = _compressed_tensors(tmp_path / "w8", per_head_scales(), extra={
         "model.layers.0.mlp.up_proj.weight_scale": np.ones(1, np.float32)})
     cases = [

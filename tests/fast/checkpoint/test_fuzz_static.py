@@ -32,6 +32,7 @@ from kvcalib.dtypes import DTYPES
 from kvcalib.errors import KvcalibError
 from kvcalib.kvcache import capacity
 from kvcalib.report import summaries
+from tiny_files import complete_weights
 
 EXAMPLES = int(os.environ.get("KVCALIB_FUZZ_EXAMPLES", "60"))
 SECONDS_PER_CALL = 10.0
@@ -97,6 +98,8 @@ def valid_checkpoints(draw: st.DrawFn) -> dict:
                             dtype=NUMPY[dtype])
             name = SCALE_NAMES[layout].format(layer=layer, kind=kind)
             tensors[name] = {"dtype": dtype, "shape": shape, "data": data.tobytes()}
+    for name, stand_in in complete_weights(config).items():
+        tensors[name] = {"dtype": "F16", "shape": [1], "data": stand_in.tobytes()}
     shards = ["model.safetensors"] if draw(st.booleans()) else ["a.safetensors", "b.safetensors"]
     placement = {name: shards[i % len(shards)] for i, name in enumerate(sorted(tensors))}
     return {"config": config, "tensors": tensors, "placement": placement,

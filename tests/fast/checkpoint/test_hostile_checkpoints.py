@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import run_kvcalib
+from tiny_files import complete_weights
 
 MEMORY_CAP = 2 * 2**30
 TIMEOUT = 60
@@ -60,10 +61,13 @@ def scales() -> dict[str, np.ndarray]:
 
 
 def checkpoint(folder: Path, cfg: dict | None = None) -> Path:
-    """A KV-only checkpoint: config.json and the scale tensors, which verify passes."""
+    """config.json, stand-ins for the weights and the scale tensors: verify passes it."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(cfg or config()))
-    save_file(scales(), folder / "model.safetensors")
+    cfg = cfg or config()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    # the files hold LAYERS layers, whatever the config claims
+    weights = complete_weights({**cfg, "num_hidden_layers": LAYERS})
+    save_file({**weights, **scales()}, folder / "model.safetensors")
     return folder
 
 

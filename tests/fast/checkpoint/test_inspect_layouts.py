@@ -9,6 +9,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import inspect_json, run_kvcalib
+from tiny_files import complete_weights
 
 FP8_MAX = 448.0
 
@@ -25,7 +26,8 @@ def test_modelopt_hybrid_checkpoint(tmp_path):
         {"producer": {"name": "modelopt"},
          "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     k = {1: 0.02, 3: 0.021, 5: 0.019, 7: 0.1, 9: 0.02}
-    tensors = {"model.embed_tokens.weight": np.zeros((8, 64), dtype=np.float32)}
+    tensors = {**complete_weights(config),
+               "model.embed_tokens.weight": np.zeros((8, 64), dtype=np.float32)}
     for layer, value in k.items():
         prefix = f"model.layers.{layer}.self_attn"
         tensors[f"{prefix}.k_proj.k_scale"] = np.array(value, dtype=np.float32)

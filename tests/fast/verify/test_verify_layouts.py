@@ -9,16 +9,17 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from conftest import failures, run_kvcalib, verify_static
+from tiny_files import complete_weights
 
 
 def _fake_checkpoint(folder: Path, quantization: dict, tensors: dict) -> Path:
-    """Two attention layers of a GQA model: only config.json and the scale tensors."""
+    """Two attention layers of a GQA model: config.json, weight stand-ins, the scales."""
     folder.mkdir()
     config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
               "num_key_value_heads": 2, "hidden_size": 512, "torch_dtype": "bfloat16",
               "quantization_config": quantization}
     (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, folder / "model.safetensors")
+    save_file({**complete_weights(config), **tensors}, folder / "model.safetensors")
     return folder
 
 

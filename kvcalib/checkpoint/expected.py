@@ -1,0 +1,130 @@
+"""Whether a checkpoint's files hold every weight its architecture needs, and nothing it
+does not know.
+
+Neither vLLM 0.32 nor transformers checks this: vLLM starts a checkpoint whose shard is
+empty ("Checkpoint size: 0.00 GiB"), and transformers fills missing weights at random, so
+a calibration on such a model measures noise. `verify` (a check) and `run` (a refusal
+before loading) both ask here.
+
+The expected names come from the model class itself, built on the meta device (no
+memory, no weights) where torch and transformers import (the calibration environment).
+Elsewhere (the fast tier, a config transformers cannot build) they come from the config:
+every declared layer must hold weights. Quantized weights (weight_packed, weight_scale,
+input_scale...) and KV scales live under the modules they belong to, so a parameter
+counts as present when any tensor stands for it, and a tensor is unexpected only when no
+module of the model owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcalib.checkpoint.layouts import find_scales
+from kvcalib.errors import KvcalibError
+from kvcalib.kvcache import geometry
+from kvcalib.text import index_ranges
+
+# At most this many names in one message; the count says how many more.
+SHOWN = 8
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the architecture needs: parameter names and the modules that may own tensors
+    (from the model class), or nothing more than the layers (from the config)."""
+
+    source: str  # "the model class X" or "config.json"
+    parameters: frozenset[str] = frozenset()
+    modules: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class WeightProblems:
+    """Parameters with no tensor, tensors no module owns, and where the names came from."""
+
+    source: str
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected)
+
+    def describe(self) -> str:
+        """One line naming the problems (the first SHOWN of each)."""
+        parts = []
+        for what, names in (("missing", self.missing), ("unexpected", self.unexpected)):
+            if names:
+                more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+                parts.append(f"{len(names)} {what}: {', '.join(names[:SHOWN])}{more}")
+        return f"weights do not match {self.source}: " + "; ".join(parts)
+
+
+def expected(config: dict[str, Any]) -> Expected:
+    """The names the architecture of `config` needs (see the module docstring)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return _from_config(config)
+    import transformers
+
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    named = (config.get("architectures") or [None])[0]
+    try:
+        built = AutoConfig.for_model(**plain)
+        with torch.device("meta"):
+            if isinstance(named, str) and hasattr(transformers, named):
+                # the class that saved the checkpoint names its tensors
+                model = getattr(transformers, named)._from_config(built)
+            else:
+                model = AutoModelForCausalLM.from_config(built)
+    except Exception:  # an architecture transformers cannot build: fall back on the config
+        return _from_config(config)
+    # remove_duplicate: a tied parameter (lm_head = embed_tokens) is needed once
+    parameters = frozenset(name for name, _ in model.named_parameters(remove_duplicate=True))
+    modules = frozenset(name for name, _ in model.named_modules(remove_duplicate=False))
+    return Expected(f"the model class {type(model).__name__}", parameters, modules)
+
+
+def _from_config(config: dict[str, Any]) -> Expected:
+    """No model class: the layer check of weight_problems is all that can be said."""
+    return Expected("config.json (every declared layer holds weights)")
+
+
+def weight_problems(tensors: dict[str, Any], config: dict[str, Any]) -> WeightProblems:
+    """What the files lack or hold beyond what `config`'s architecture needs.
+
+    Layers first, from the config: a config claiming far more layers than the files hold
+    is named as a range, never built as a model or looped over.
+    """
+    scales = {s.info.name for s in find_scales(tensors)[0]}
+    weights = set(tensors) - scales
+    missing_layers = _missing_layers(weights, config)
+    if missing_layers:
+        return WeightProblems("config.json", [f"every weight of layers {missing_layers}"])
+    want = expected(config)
+    if not want.parameters:
+        return WeightProblems(want.source)
+    # a quantized weight is stored as weight_packed, weight_scale...: any of them stands
+    # for it (by its owner and the parameter's own name)
+    stored = {(t.rsplit(".", 1)[0], t.rsplit(".", 1)[-1].split("_")[0]) for t in weights}
+    missing = sorted(p for p in want.parameters if p not in weights
+                     and tuple(p.rsplit(".", 1)) not in stored)
+    unexpected = sorted(t for t in weights if t.rsplit(".", 1)[0] not in want.modules)
+    return WeightProblems(want.source, missing, unexpected)
+
+
+def _missing_layers(weights: set[str], config: dict[str, Any]) -> str:
+    """The declared layers that hold no weight, as ranges ('' when none)."""
+    try:
+        declared = geometry.config_int(geometry.text_config(config), "num_hidden_layers",
+                                       "n_layer", "num_layers", required=False) or 0
+    except KvcalibError:
+        return ""  # the config check names a bad count
+    held = {n for n in (geometry.layer_number(name) for name in weights) if n is not None}
+    top = max(held, default=-1) + 1
+    parts = [index_ranges(sorted(set(range(min(top, declared))) - held))] if top else []
+    if declared > top:
+        parts.append(f"{top}-{declared - 1}" if declared - 1 > top else str(top))
+    return ", ".join(p for p in parts if p)
