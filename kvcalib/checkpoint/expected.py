@@ -17,6 +17,7 @@ module of the model owns it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,14 +30,24 @@ from kvcalib.text import index_ranges
 SHOWN = 8
 
 
+def _stored_as_itself(name: str) -> str:
+    return name
+
+
 @dataclass(frozen=True)
 class Expected:
     """What the architecture needs: parameter names and the modules that may own tensors
-    (from the model class), or nothing more than the layers (from the config)."""
+    (from the model class), or nothing more than the layers (from the config).
+
+    `loaded_as` maps a stored tensor name to the parameter transformers loads it into: its
+    checkpoint conversions rename keys and merge per-expert tensors (Mixtral's
+    `block_sparse_moe.experts.0.w1.weight` becomes `mlp.experts.gate_up_proj`).
+    """
 
     source: str  # "the model class X" or "config.json"
     parameters: frozenset[str] = frozenset()
     modules: frozenset[str] = frozenset()
+    loaded_as: Callable[[str], str] = _stored_as_itself
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,7 @@ def expected(config: dict[str, Any]) -> Expected:
     """The names the architecture of `config` needs (see the module docstring)."""
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
     except ImportError:
         return _from_config(config)
     import transformers
@@ -72,7 +83,8 @@ def expected(config: dict[str, Any]) -> Expected:
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     named = (config.get("architectures") or [None])[0]
     try:
-        built = AutoConfig.for_model(**plain)
+        # config.json writes Infinity as {"__float__": "Infinity"} (Mamba's time_step_limit)
+        built = AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(plain))
         with torch.device("meta"):
             if isinstance(named, str) and hasattr(transformers, named):
                 # the class that saved the checkpoint names its tensors
@@ -84,7 +96,27 @@ def expected(config: dict[str, Any]) -> Expected:
     # remove_duplicate: a tied parameter (lm_head = embed_tokens) is needed once
     parameters = frozenset(name for name, _ in model.named_parameters(remove_duplicate=True))
     modules = frozenset(name for name, _ in model.named_modules(remove_duplicate=False))
-    return Expected(f"the model class {type(model).__name__}", parameters, modules)
+    return Expected(f"the model class {type(model).__name__}", parameters, modules,
+                    _loaded_as(model))
+
+
+def _loaded_as(model: Any) -> Callable[[str], str]:
+    """transformers' own renaming of stored keys at load time
+    (core_model_loading.convert_and_load_state_dict_in_model, step 1)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    state = model.state_dict()
+
+    def loaded_as(name: str) -> str:
+        renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix,
+                                       state)
+        return name if renamed not in state and name in state else renamed
+
+    return loaded_as
 
 
 def _from_config(config: dict[str, Any]) -> Expected:
@@ -108,10 +140,13 @@ def weight_problems(tensors: dict[str, Any], config: dict[str, Any]) -> WeightPr
         return WeightProblems(want.source)
     # a quantized weight is stored as weight_packed, weight_scale...: any of them stands
     # for it (by its owner and the parameter's own name)
-    stored = {(t.rsplit(".", 1)[0], t.rsplit(".", 1)[-1].split("_")[0]) for t in weights}
-    missing = sorted(p for p in want.parameters if p not in weights
+    loaded = {name: want.loaded_as(name) for name in weights}
+    present = set(loaded.values())
+    stored = {(t.rsplit(".", 1)[0], t.rsplit(".", 1)[-1].split("_")[0]) for t in present}
+    missing = sorted(p for p in want.parameters if p not in present
                      and tuple(p.rsplit(".", 1)) not in stored)
-    unexpected = sorted(t for t in weights if t.rsplit(".", 1)[0] not in want.modules)
+    unexpected = sorted(name for name, target in loaded.items()
+                        if target.rsplit(".", 1)[0] not in want.modules)
     return WeightProblems(want.source, missing, unexpected)
 
 

@@ -13,10 +13,12 @@ scripts/architectures.py runs the whole matrix in the engine.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
+import peers
 from conftest import builtin
 from families import FAMILIES, with_kv_scales
 from kvcalib.calibrate import ScaleOptions, calibrate
@@ -64,6 +66,33 @@ def test_family_calibrates_its_attention_layers_to_the_recomputed_absmax(name, f
     assert result["layer_scales"]["layers"] == layers
     for metrics in result["metrics"].values():
         assert 0 <= metrics["mean_kl"] < 1
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_as_transformers_saves_it_has_every_weight_its_class_needs(name,
+                                                                               family_model):
+    """MoE checkpoints keep per-expert names that transformers merges when it loads them
+    (Mixtral's block_sparse_moe.experts.0.w1.weight): the weight check follows
+    transformers' own renaming, so no family is refused for its names."""
+    _, checks = open_checkpoint(family_model(name))
+    weights = [c for c in checks if c.group == "weights"]
+    assert [c.message for c in weights if c.status != PASS] == []
+    assert len(weights) == 1 and "the model class" in weights[0].message
+
+
+def test_a_moe_layer_without_its_experts_is_named_by_the_merged_parameter(family_model,
+                                                                           tmp_path):
+    model = family_model("Mixtral")
+    shutil.copytree(model, tmp_path / "m")
+    tensors = peers.raw_tensors(model / "model.safetensors")
+    peers._write(tmp_path / "m" / "model.safetensors",
+                 [(n, d, s, r) for n, (d, s, r) in sorted(tensors.items())
+                  if ".layers.1.block_sparse_moe.experts." not in n])
+    _, checks = open_checkpoint(tmp_path / "m")
+    said = [c.message for c in checks if c.group == "weights"]
+    assert said == ["weights do not match the model class MixtralForCausalLM: 2 missing: "
+                    "model.layers.1.mlp.experts.down_proj, "
+                    "model.layers.1.mlp.experts.gate_up_proj"]
 
 
 @pytest.mark.parametrize("name", MLA)
