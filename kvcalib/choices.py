@@ -26,6 +26,9 @@ Rounding = Literal["nearest", "toward_zero"]
 ScaleLayout = Literal["compressed-tensors", "modelopt", "quark"]
 # inspect flags scales this many times above or below the median layer's.
 OUTLIER_RATIO = 4.0
+# Tokens per sample at most: above the longest context any model has (Llama 4 Scout's 10M),
+# so a typo is refused while parsing rather than by a tokenizer's OverflowError.
+MAX_SEQ_LEN = 2**24
 
 
 def values(choice: Any) -> tuple[str, ...]:

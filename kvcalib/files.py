@@ -161,14 +161,63 @@ def check_output_folder(path: Path, option: str) -> Path:
 
 def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
     """The nearest existing folder at or above `folder` must be a folder we can write in
-    (missing ones are created when the output is written)."""
+    (missing ones are created when the output is written). Proven by creating and removing
+    a file there: os.access says yes to root where nothing can be created (/proc)."""
     for existing in [folder, *Path(os.path.abspath(folder)).parents]:
         if existing.exists():
             if not existing.is_dir():
                 raise UsageError(f"{option} {path}: {existing} is a file, not a folder")
-            if not os.access(existing, os.W_OK | os.X_OK):
-                raise UsageError(f"{option} {path}: cannot write in {existing}")
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".kvcalib-probe-", dir=existing)
+            except OSError as exc:
+                raise UsageError(f"{option} {path}: cannot write in {existing} "
+                                 f"({exc.strerror})") from None
+            os.close(fd)
+            os.unlink(probe)
             return
+
+
+def refuse_outputs_in_inputs(inputs: list[Path | str | None],
+                             outputs: dict[str, Path | None]) -> None:
+    """Refuse, before any work, an output (option -> path) that is an input or lies inside
+    an input folder: compared resolved through symbolic links, and an existing file also
+    by inode (a hard link to an input's file). Inputs that are not local paths (hub ids)
+    are skipped."""
+    sources = [Path(p).expanduser() for p in inputs if p is not None]
+    sources = [p for p in sources if p.exists()]
+    roots = [root for p in sources if p.is_dir() for root in allowed_roots(p)]
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        real = Path(path).expanduser().resolve()
+        for source in sources:
+            if real == source.resolve():
+                raise UsageError(f"{option} {path} is the input {source}; the input is never "
+                                 "modified")
+        for root in roots:
+            if root in real.parents:
+                raise UsageError(f"{option} {path} is inside the input folder {root}; the "
+                                 "input is never modified")
+        linked = _same_file_among(real, sources)
+        if linked is not None:
+            raise UsageError(f"{option} {path} is a hard link to the input's {linked}; the "
+                             "input is never modified")
+
+
+def _same_file_among(path: Path, sources: list[Path]) -> Path | None:
+    """An input file that is `path` under another name (a hard link), if any."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+        return None
+    for source in sources:
+        for candidate in ([source] if source.is_file() else source.rglob("*")):
+            with contextlib.suppress(OSError):
+                if os.path.samestat(candidate.stat(), info):
+                    return candidate
+    return None
 
 
 @contextmanager

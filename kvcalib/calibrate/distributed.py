@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvcalib.errors import CheckFailed, UsageError
+from kvcalib.errors import INTERRUPTED, CheckFailed, UsageError
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,11 @@ def launch(nproc: int, kvcalib_args: list[str]) -> int:
 
     Returns the exit code. A rank that failed with kvcalib's own error (exit 1 or 2)
     already printed it; a rank that died otherwise (a signal, an out-of-memory kill) is
-    reported here, in one line. torchrun stops the other ranks either way.
+    reported here, in one line, even when a peer's error came first (its collective lost
+    the dead rank). torchrun stops the other ranks either way; Ctrl-C or SIGTERM to the
+    launcher is an interrupt, as for one process, once torchrun has stopped the ranks.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -184,11 +187,16 @@ def launch(nproc: int, kvcalib_args: list[str]) -> int:
          *_without_option(kvcalib_args, "--nproc-per-node")])
     try:
         torchrun(args)
+    except SignalException:
+        raise KeyboardInterrupt from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode in (1, 2):
-            return failure.exitcode
-        raise CheckFailed(f"rank {rank} of {nproc} {_died(failure.exitcode)}; torchrun "
+        if any(f.exitcode == INTERRUPTED for f in exc.failures.values()):
+            raise KeyboardInterrupt from None  # the ranks had Ctrl-C too
+        died = {rank: f for rank, f in exc.failures.items() if f.exitcode not in (1, 2)}
+        if not died:
+            return exc.get_first_failure()[1].exitcode
+        rank = min(died)
+        raise CheckFailed(f"rank {rank} of {nproc} {_died(died[rank].exitcode)}; torchrun "
                           "stopped the other ranks and nothing was written") from None
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcalib.choices import (
+    MAX_SEQ_LEN,
     Attention,
     ComputeDtype,
     Observer,
@@ -54,7 +55,8 @@ class SampleOptions(OptionGroup):
 
     dataset: DatasetSpec = DatasetSpec()
     num_samples: int = option(512, "Calibration samples.", low=1)
-    max_seq_len: int = option(2048, "Tokens per sample (truncated).", low=1)
+    max_seq_len: int = option(2048, "Tokens per sample (truncated).", low=1,
+                              high=MAX_SEQ_LEN)
     seed: int = option(0, "Seed for choosing the samples.", low=0)
 
 

@@ -79,6 +79,9 @@ def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any
     quant = config.get("quantization_config")
     if not quant:
         return None
+    if not isinstance(quant, dict):
+        raise UsageError(f"{model_dir}: config.json's quantization_config must be a JSON "
+                         f"object, not {type(quant).__name__}")
     method = quant.get("quant_method")
     if method != "compressed-tensors":
         raise UsageError(f"{model_dir} is quantized with {method!r}, which kvcalib cannot "

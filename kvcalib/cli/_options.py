@@ -19,7 +19,12 @@ import typer
 
 from kvcalib.choices import flag, hints
 from kvcalib.errors import UsageError
-from kvcalib.files import OVERWRITE_HELP, check_output_file, check_output_folder
+from kvcalib.files import (
+    OVERWRITE_HELP,
+    check_output_file,
+    check_output_folder,
+    refuse_outputs_in_inputs,
+)
 
 STDOUT = "-"
 
@@ -81,6 +86,13 @@ def plot_option(help: str) -> Any:
     return Annotated[Path | None, typer.Option(
         callback=_plot_file, help=f"{help} Its extension names the format; a name without one "
                                   "gets .png.")]
+
+
+def keep_inputs_intact(inputs: list[Any], outputs: dict[str, Path | None]) -> None:
+    """Before any work: no output file or folder (option -> path) may be or lie inside an
+    input ('-', standard output, is none)."""
+    refuse_outputs_in_inputs(inputs, {option: path for option, path in outputs.items()
+                                      if not is_stdout(path)})
 
 
 def info(message: str) -> None:

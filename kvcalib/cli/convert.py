@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvcalib.choices import ScaleLayout
-from kvcalib.cli._options import JsonOut, OutputFolder, Overwrite
+from kvcalib.cli._options import JsonOut, OutputFolder, Overwrite, keep_inputs_intact
 from kvcalib.cli._output import Output
 
 
@@ -27,6 +27,7 @@ def convert(
     from kvcalib.checkpoint.convert import convert as run_convert
     from kvcalib.report.summaries import convert_summary
 
+    keep_inputs_intact([checkpoint], {"--json": json_path})
     out = Output(json_path)
     result = run_convert(checkpoint, to, output, overwrite=overwrite)
     out.result(result.to_dict(), convert_summary(result))

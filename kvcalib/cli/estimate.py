@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvcalib.cli._options import JsonOut, grouped
+from kvcalib.cli._options import JsonOut, grouped, keep_inputs_intact
 from kvcalib.cli._output import Output
 from kvcalib.kvcache.capacity import EstimateOptions
 
@@ -24,6 +24,7 @@ def estimate(
     from kvcalib.kvcache.capacity import estimate as run_estimate
     from kvcalib.report.summaries import estimate_summary
 
+    keep_inputs_intact([model], {"--json": json_path})
     out = Output(json_path)
     result = run_estimate(model, options)
     out.result(result.to_dict(), estimate_summary(result))

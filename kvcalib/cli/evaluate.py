@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvcalib.cli._options import JsonOut, grouped, info, plot_option
+from kvcalib.cli._options import JsonOut, grouped, info, keep_inputs_intact, plot_option
 from kvcalib.cli._output import Output
 from kvcalib.errors import UsageError
 from kvcalib.evaluate.options import EvalOptions, Passkey
@@ -39,14 +39,17 @@ def evaluate(
 
     if pareto is not None and not options.formats.names:
         raise UsageError("--pareto needs --formats")
+    dataset = options.held_out.dataset
+    keep_inputs_intact([checkpoint, dataset and dataset.source],
+                       {"--json": json_path, "--plot": plot, "--pareto": pareto})
     out = Output(json_path)
     if options.engine.engine:
         options = dataclasses.replace(
             options, engine=dataclasses.replace(options.engine, log_dir=out.folder))
     result = run_evaluate(checkpoint, options, log=info)
-    if plot:
+    out.result(result.to_dict(), eval_summary(result))
+    if plot:  # after the result: a figure that fails loses nothing computed
         info(f"Plot: {plots.sensitivity_plot(result, plot)}")
     if pareto:
         info(f"Pareto plot: {plots.pareto_plot(result, pareto)}")
-    out.result(result.to_dict(), eval_summary(result))
     raise typer.Exit(result.exit_code)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvcalib.choices import OUTLIER_RATIO
-from kvcalib.cli._options import JsonOut, info, plot_option
+from kvcalib.cli._options import JsonOut, info, keep_inputs_intact, plot_option
 from kvcalib.cli._output import Output
 
 Plot = plot_option("Write a figure of the scales by layer and head (a heatmap per kind for "
@@ -31,8 +31,9 @@ def inspect(
     from kvcalib.report.plots import scales_plot
     from kvcalib.report.summaries import inspect_summary
 
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--plot": plot})
     out = Output(json_path)
     result = run_inspect(checkpoint, outlier_ratio=outlier_ratio)
-    if plot is not None:
-        info(f"Plot: {scales_plot(result, plot)}")
     out.result(result.to_dict(), inspect_summary(result, heads=heads))
+    if plot is not None:  # after the result: a figure that fails loses nothing computed
+        info(f"Plot: {scales_plot(result, plot)}")

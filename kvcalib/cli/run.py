@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from kvcalib.calibrate.options import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
-from kvcalib.cli._options import JsonOut, OutputFolder, grouped, info, plot_option
+from kvcalib.cli._options import (
+    JsonOut,
+    OutputFolder,
+    grouped,
+    info,
+    keep_inputs_intact,
+    plot_option,
+)
 from kvcalib.cli._output import Output
 
 Plot = plot_option("Write a figure of each layer's running absmax / final value against "
@@ -38,6 +45,7 @@ def run(
     from kvcalib.checkpoint.report_file import REPORT_FILE
     from kvcalib.report.summaries import calibration_summary
 
+    keep_inputs_intact([model, samples.dataset.source], {"--json": json_path, "--plot": plot})
     out = Output(json_path)
     if nproc_per_node not in (None, 1):
         check_launch(model, output, nproc_per_node, scales, samples, compute, writing)
@@ -47,13 +55,13 @@ def run(
     if result.rank != 0:
         return  # rank 0 prints for the job
     report = result.report
-    if plot:
-        from kvcalib.report.plots import convergence_plot
-
-        info(f"Plot: {convergence_plot(report, plot)}")
     weights = report.weight_quantization
     out.result(report.model_dump(mode="json", exclude_unset=True), "\n".join([
         calibration_summary(report),
         f"Weights:    {describe(weights.model_dump() if weights else None)}",
         f"Checkpoint: {result.output}",
         f"Report:     {result.output / REPORT_FILE}"]))
+    if plot:  # after the result: a figure that fails loses nothing computed
+        from kvcalib.report.plots import convergence_plot
+
+        info(f"Plot: {convergence_plot(report, plot)}")

@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from kvcalib.cli._options import JsonOut, JunitOut, folder_option, grouped, info
+from kvcalib.cli._options import (
+    JsonOut,
+    JunitOut,
+    folder_option,
+    grouped,
+    info,
+    keep_inputs_intact,
+)
 from kvcalib.cli._output import Output
 from kvcalib.verify.options import EngineOptions
 
@@ -29,6 +36,8 @@ def verify(
     from kvcalib.report.summaries import verify_summary
     from kvcalib.verify.run import verify as run_verify
 
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit,
+                                      "--log-dir": log_dir})
     out = Output(json_path, junit)
     result = run_verify(checkpoint, static_only=static_only, options=options,
                         log_dir=log_dir or out.folder, log=info)

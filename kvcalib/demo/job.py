@@ -20,6 +20,7 @@ from kvcalib.data import DatasetSpec
 from kvcalib.demo.model import prepare_demo_model
 from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import EvalOptions, HeldOut, LayerSweep, Passkey, evaluate
+from kvcalib.evaluate.stats import MIN_SAMPLES
 from kvcalib.files import write_json
 from kvcalib.kvcache import EstimateOptions, estimate
 from kvcalib.report import plots, summaries
@@ -76,9 +77,9 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int, log: Log,
 
     with _step("eval"):
         measured = evaluate(ckpt, EvalOptions(
-            held_out=HeldOut(num_samples=8, max_seq_len=min(256, max_seq_len)),
+            held_out=HeldOut(num_samples=MIN_SAMPLES, max_seq_len=min(256, max_seq_len)),
             passkey=Passkey([min(1024, 4 * max_seq_len)], [0.25, 0.75]),
-            layer_sweep=LayerSweep(sweep=True, samples=2)), log=log)
+            layer_sweep=LayerSweep(sweep=True, samples=MIN_SAMPLES)), log=log)
         write_json(output / "eval.json", measured.to_dict())
         plots.sensitivity_plot(measured, output / "eval.png")
     show(summaries.eval_summary(measured))

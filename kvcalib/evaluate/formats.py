@@ -139,7 +139,7 @@ def top_two(rows: list[FormatRow], metrics: dict[str, Metrics]) -> dict[str, Any
     ranked = sorted((row for row in rows if row.metrics_key),
                     key=lambda row: metrics[row.metrics_key].mean_kl)
     ranked = list({row.metrics_key: row for row in reversed(ranked)}.values())[::-1]
-    if len(ranked) < 2 or len(metrics[ranked[0].metrics_key].kl_by_sample) < 2:
+    if len(ranked) < 2 or stats.too_few(len(metrics[ranked[0].metrics_key].kl_by_sample)):
         return None
     first, second = ranked[:2]
     found = stats.paired_bootstrap(metrics[first.metrics_key].kl_pairs(),

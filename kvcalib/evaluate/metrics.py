@@ -117,8 +117,8 @@ def score(model, batch_list: list[tuple[Any, Any]],
 
 
 def _kl_interval(rows: list[tuple[float, int]]) -> tuple[float, float] | None:
-    """95% bootstrap interval of the token-weighted mean KL over samples."""
-    if len(rows) < 2:
+    """95% bootstrap interval of the token-weighted mean KL over samples (None: too few)."""
+    if stats.too_few(len(rows)):
         return None
     found = stats.bootstrap(np.array(rows, dtype=float), stats.ratio_of_sums)
     return found.low, found.high
@@ -129,8 +129,8 @@ def verdict(metrics: dict[str, Metrics]) -> str:
     95% interval over the samples includes zero is within noise, however large it looks."""
     ours, unit = metrics[CALIBRATED], metrics[SCALE_ONE]
     both = f"mean KL {ours.mean_kl:.4g} calibrated vs {unit.mean_kl:.4g} at scale 1.0"
-    if len(ours.kl_by_sample) < 2:
-        return f"{both}; one sample gives no interval: use more --num-samples to decide"
+    if why := stats.too_few(len(ours.kl_by_sample)):
+        return f"{both}; {why} samples: use --num-samples {stats.MIN_SAMPLES} or more to decide"
     found = stats.paired_bootstrap(ours.kl_pairs(), unit.kl_pairs(), stats.ratio_of_sums)
     gain = found.difference  # scale 1.0 minus calibrated
     interval = (f"95% interval of the difference {gain.low:.3g} to {gain.high:.3g} over "
@@ -157,8 +157,8 @@ def difference(found: stats.Comparison) -> dict[str, Any]:
 
 def compare_to(reference: Metrics, other: Metrics) -> dict[str, Any] | None:
     """Mean KL and perplexity of `other` minus `reference`, with paired 95% intervals over
-    the same samples; None with one sample."""
-    if len(reference.kl_by_sample) < 2:
+    the same samples; None with too few samples to tell."""
+    if stats.too_few(len(reference.kl_by_sample)):
         return None
     return {"mean_kl": difference(stats.paired_bootstrap(
                 reference.kl_pairs(), other.kl_pairs(), stats.ratio_of_sums)),

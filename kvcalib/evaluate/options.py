@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from kvcalib.choices import EvalDtype, OptionGroup, Rounding, option
+from kvcalib.choices import MAX_SEQ_LEN, EvalDtype, OptionGroup, Rounding, option
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
+from kvcalib.evaluate.stats import MIN_SAMPLES
 from kvcalib.kvcache import capacity
 from kvcalib.kvcache import formats as kv_formats
 from kvcalib.verify.options import vllm_python_option
@@ -25,7 +26,7 @@ class HeldOut(OptionGroup):
 
     dataset: DatasetSpec | None = None
     num_samples: int = option(16, "Held-out samples.", low=1)
-    max_seq_len: int = option(512, "Tokens per sample.", low=1)
+    max_seq_len: int = option(512, "Tokens per sample.", low=1, high=MAX_SEQ_LEN)
     seed: int = option(0, "Seed for choosing the samples.", low=0)
     batch_size: int = option(1, "Samples per forward pass.", low=1)
 
@@ -71,8 +72,12 @@ class Formats(OptionGroup):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.target is not None and not self.names:
-            raise UsageError("--target needs --formats")
+        given = {"--target": self.target is not None, "--budget": self.budget != DEFAULT_BUDGET,
+                 "--block-size": self.block_size is not None}
+        for flag_name in (name for name, was_given in given.items() if was_given):
+            if not self.names:
+                raise UsageError(f"{flag_name} needs --formats")
+        capacity.parse_budget(self.budget)  # a bad budget is refused before any work
         if self.target is not None and self.target not in kv_formats.TARGETS:
             raise UsageError(f"unknown --target {self.target!r}; valid: "
                              f"{', '.join(kv_formats.TARGETS)}")
@@ -105,13 +110,14 @@ class Passkey(OptionGroup):
 
 @dataclass(frozen=True)
 class LayerSweep(OptionGroup):
-    """The per-layer sweep, on the first `samples` held-out samples (2 or more: its
-    effects come with intervals)."""
+    """The per-layer sweep, on the first `samples` held-out samples (2 or more; from
+    stats.MIN_SAMPLES on, its effects come with intervals)."""
 
     sweep: bool = option(False, "Per-layer sensitivity: each layer FP8 alone, and all but each "
                          "layer; with --max-kl, recommend layers to skip.", "--sweep")
-    samples: int = option(4, "Samples for the sweep (at least 2: its effects come with "
-                          "intervals).", "--sweep-samples", low=2)
+    samples: int = option(MIN_SAMPLES, f"Samples for the sweep (at least 2; its effects "
+                          f"come with 95% intervals from {MIN_SAMPLES} on, and fewer give no "
+                          "skip advice).", "--sweep-samples", low=2)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ def sweep(model, batch_list, base: simulate.Simulation, layers: list[int],
     """KL with one layer quantized, and with all but one; then a greedy skip set.
 
     What skipping a layer saves is a paired difference over the sweep's samples: a layer
-    whose 95% interval includes zero is marked within noise and never recommended."""
+    whose 95% interval includes zero is marked within noise and never recommended. With
+    fewer than stats.MIN_SAMPLES samples there are no intervals ("too_few_samples") and
+    nothing is recommended."""
 
     def variant(only: set[int]) -> simulate.Simulation:
         return simulate.Simulation(fmt=base.fmt, rounding=base.rounding, scales=base.scales,
@@ -27,23 +29,32 @@ def sweep(model, batch_list, base: simulate.Simulation, layers: list[int],
     sims["all"] = variant(set(layers))
     _, metrics = score(model, batch_list, sims, progress)
     full_kl = metrics["all"].mean_kl
+    too_few = stats.too_few(len(metrics["all"].kl_by_sample))
     per_layer = []
     for i in layers:
-        # all-but minus all: the saving is its negative
-        saved = stats.paired_bootstrap(metrics["all"].kl_pairs(),
-                                       metrics[f"all but {i}"].kl_pairs(),
-                                       stats.ratio_of_sums).difference
-        per_layer.append({"layer": i, "only_kl": metrics[f"only {i}"].mean_kl,
-                          "all_but_kl": metrics[f"all but {i}"].mean_kl,
-                          "gain_if_skipped": full_kl - metrics[f"all but {i}"].mean_kl,
-                          "gain_interval": [-saved.high, -saved.low],
-                          "within_noise": not saved.excludes_zero})
+        entry = {"layer": i, "only_kl": metrics[f"only {i}"].mean_kl,
+                 "all_but_kl": metrics[f"all but {i}"].mean_kl,
+                 "gain_if_skipped": full_kl - metrics[f"all but {i}"].mean_kl,
+                 "gain_interval": None, "within_noise": None}
+        if not too_few:  # all-but minus all: the saving is its negative
+            saved = stats.paired_bootstrap(metrics["all"].kl_pairs(),
+                                           metrics[f"all but {i}"].kl_pairs(),
+                                           stats.ratio_of_sums).difference
+            entry.update(gain_interval=[-saved.high, -saved.low],
+                         within_noise=not saved.excludes_zero)
+        per_layer.append(entry)
     ranking = sorted(per_layer, key=lambda e: (-e["gain_if_skipped"], -e["only_kl"]))
     result: dict[str, Any] = {"all_kl": full_kl, "layers": per_layer,
                               "ranking": [e["layer"] for e in ranking],
+                              "too_few_samples": too_few,
                               "within_noise": [e["layer"] for e in per_layer
                                                if e["within_noise"]]}
-    if max_kl is not None:
+    if max_kl is not None and too_few:
+        result["recommendation"] = {"max_kl": max_kl, "skip_layers": [], "kl": full_kl,
+                                    "met": full_kl <= max_kl,
+                                    "flag": "(none needed)" if full_kl <= max_kl
+                                    else f"(none: {too_few} samples)"}
+    elif max_kl is not None:
         skip: list[int] = []
         kl = full_kl
         for entry in ranking:

@@ -47,9 +47,13 @@ def sensitivity_plot(result: EvalResult, path: Path) -> Path:
                                            result.layer_scales.get(kind, []))}
     if not bars and not lines:
         raise UsageError("nothing to plot: no per-layer sweep (--sweep) and no scales")
+    noise, why = (), "within noise (95% interval includes 0)"
+    if result.sweep and result.sweep.get("too_few_samples"):
+        noise, why = layers, result.sweep["too_few_samples"] + " samples"
+    elif result.sweep:
+        noise = result.sweep["within_noise"]
     return sensitivity(path, layers, bars, lines,
-                       f"FP8 KV sensitivity: {Path(result.checkpoint).name}",
-                       noise=result.sweep["within_noise"] if result.sweep else ())
+                       f"FP8 KV sensitivity: {Path(result.checkpoint).name}", noise, why)
 
 
 def pareto_plot(result: EvalResult, path: Path) -> Path:
@@ -65,6 +69,9 @@ def pareto_plot(result: EvalResult, path: Path) -> Path:
         elif not row["note"].startswith("n/a"):
             reference = (row["label"], row["tokens_at_budget"])
     target = result.formats["target"]
+    if not points:
+        raise UsageError(f"nothing to plot: no format of --formats was scored"
+                         f"{' on ' + target if target else ''} (the table says why for each)")
     budget = result.formats["budget_bytes"] / 2**30
     return pareto(path, points, reference, f"tokens in a {budget:g} GiB KV cache",
                   f"KV formats{' on ' + target if target else ''}: "
@@ -148,10 +155,11 @@ def scales_by_layer(path: Path, series: Mapping[str, Sequence[float]], layers: S
 
 def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[float]],
                 lines: Mapping[str, Sequence[float]], title: str,
-                noise: Collection[int] = ()) -> Path:
+                noise: Collection[int] = (), noise_label: str = "") -> Path:
     """Per-layer bars (KL when one layer is quantized, or gained when it is skipped) above
     per-layer lines (scales), sharing the layer axis. Either part may be empty. Layers in
-    `noise` (their effect's interval includes zero) get hatched, faint bars."""
+    `noise` (their effect cannot be told from zero, `noise_label` says why) get hatched,
+    faint bars."""
     parts = [part for part in (bars, lines) if part]
     figure = _figure(max(7.0, 0.25 * len(layers) + 2), 3.2 * len(parts))
     axes = figure.subplots(len(parts), 1, sharex=True, squeeze=False)[:, 0]
@@ -168,8 +176,7 @@ def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[f
                     bar.set_alpha(0.35)
                     bar.set_hatch("//")
         if any(faint):
-            top.bar([], [], color="0.6", alpha=0.35, hatch="//",
-                    label="within noise (95% interval includes 0)")
+            top.bar([], [], color="0.6", alpha=0.35, hatch="//", label=noise_label)
         top.set_ylabel("mean KL")
         top.legend()
         top.grid(True, axis="y", alpha=0.3)

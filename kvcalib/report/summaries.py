@@ -79,9 +79,15 @@ def eval_summary(result: EvalResult) -> str:
                      f"KL {result.sweep['all_kl']:.5f}): alone, layers " + ", ".join(
                          f"{e['layer']} ({e['only_kl']:.5f})" for e in top))
         noise = result.sweep["within_noise"]
-        lines.append(f"Skipping a layer saves KL within noise (95% interval includes 0) for "
-                     f"{len(noise)} of {len(result.sweep['layers'])} layers"
-                     + (f": {index_ranges(noise)}; these are never recommended" if noise else ""))
+        if result.sweep.get("too_few_samples"):
+            lines.append(f"What skipping a layer saves: {result.sweep['too_few_samples']} "
+                         "samples (--sweep-samples and --num-samples), so no intervals and no "
+                         "layer is recommended")
+        else:
+            lines.append(f"Skipping a layer saves KL within noise (95% interval includes 0) "
+                         f"for {len(noise)} of {len(result.sweep['layers'])} layers"
+                         + (f": {index_ranges(noise)}; these are never recommended"
+                            if noise else ""))
         if "recommendation" in result.sweep:
             rec = result.sweep["recommendation"]
             lines.append(f"Skip set for mean KL <= {rec['max_kl']}: {rec['flag']} "

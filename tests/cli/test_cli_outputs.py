@@ -30,7 +30,9 @@ def bad_paths(tmp_path) -> dict[str, Path]:
     (tmp_path / "folder").mkdir()
     (tmp_path / "file").write_text("keep")
     return {"folder": tmp_path / "folder", "under a file": tmp_path / "file" / "x.json",
-            "full device": Path("/dev/full")}
+            "full device": Path("/dev/full"),
+            # os.access says yes to root here, but no file can be created
+            "in /proc": Path("/proc/kvcalib-out.json")}
 
 
 def _assert_usage_error(result, message: str) -> None:
@@ -50,13 +52,15 @@ def _commands(ckpt: Path, out: Path) -> dict[str, list]:
                  "--kivi", "--kivi-group-size", 8],
         "estimate": ["estimate", ckpt],
         "inspect": ["inspect", ckpt],
+        "convert": ["convert", ckpt, "--to", "modelopt", "--output", out],
     }
 
 
 @pytest.mark.parametrize("kind, message", [("folder", "is a folder"),
                                            ("under a file", "is a file, not a folder"),
-                                           ("full device", "is not a regular file")])
-@pytest.mark.parametrize("command", ["run", "verify", "eval", "estimate", "inspect"])
+                                           ("full device", "is not a regular file"),
+                                           ("in /proc", "cannot write in /proc")])
+@pytest.mark.parametrize("command", ["run", "verify", "eval", "estimate", "inspect", "convert"])
 def test_bad_json_path_is_refused_before_any_work(command, kind, message, tiny_ckpt, tmp_path,
                                                   bad_paths):
     out = tmp_path / "out"
@@ -83,6 +87,26 @@ def test_bad_plot_path_is_refused_before_any_work(command, kind, message, tiny_c
     result = run_kvcalib(*_commands(tiny_ckpt, tmp_path / "out")[command], "--plot", path)
     _assert_usage_error(result, message)
     assert "Evaluating" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--model", "CKPT", "--output", "/proc/kvcalib-out"], "--output /proc/kvcalib-out"),
+    (["run", "--model", "CKPT", "--output", "OUT", "--plot", "/proc/x.png"], "--plot"),
+    (["run", "--model", "CKPT", "--output", "OUT", "--plot", "OUT.txt"],
+     "unsupported plot format"),
+    (["eval", "CKPT", "--formats", "fp8", "--pareto", "/proc/x.png"], "--pareto"),
+    (["verify", "CKPT", "--static-only", "--log-dir", "/proc/logs"], "--log-dir"),
+])
+def test_unwritable_places_are_refused_before_any_work(args, message, tiny_ckpt, tmp_path):
+    """Proven by creating a file there, not by os.access (which says yes to root on
+    /proc): once a regression of `run --output /proc/x` to a reflink probe's traceback."""
+    out = tmp_path / "out"
+    args = [str(out) if a == "OUT" else str(tiny_ckpt) if a == "CKPT" else
+            a.replace("OUT", str(out)) for a in args]
+    result = run_kvcalib(*args, timeout=120)
+    _assert_usage_error(result, message)
+    assert "Loading" not in result.stderr and "Evaluating" not in result.stderr
+    assert not out.exists()
 
 
 def test_plot_folder_is_refused_and_a_bare_name_gets_png(tiny_ckpt, tmp_path):

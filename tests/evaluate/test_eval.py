@@ -27,6 +27,7 @@ from kvcalib.evaluate import (
     Simulation,
     evaluate,
 )
+from kvcalib.evaluate.stats import MIN_SAMPLES
 
 SMALL = HeldOut(num_samples=3, max_seq_len=96)
 ONE_SAMPLE = HeldOut(num_samples=1, max_seq_len=48)
@@ -114,14 +115,14 @@ def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
 def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
     budget = 0.004
     result = evaluate(smol_attn_head, EvalOptions(
-                          HeldOut(num_samples=2, max_seq_len=64),
-                          layer_sweep=LayerSweep(sweep=True, samples=2),
+                          HeldOut(num_samples=MIN_SAMPLES, max_seq_len=64),
+                          layer_sweep=LayerSweep(sweep=True, samples=MIN_SAMPLES),
                           gates=Gates(max_kl=budget)),
                       log=lambda _: None)
     sweep = result.sweep
     assert sweep["all_kl"] > budget  # the budget binds: some layers must be skipped
     rec = sweep["recommendation"]
-    # Only layers whose saving is told apart from noise over the 2 samples are skipped:
+    # Only layers whose saving is told apart from noise over the samples are skipped:
     # the budget is met with them, or the recommendation says it is not.
     noise = {e["layer"] for e in sweep["layers"] if e["within_noise"]}
     assert rec["skip_layers"] and not noise & set(rec["skip_layers"])
@@ -133,7 +134,7 @@ def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
 
     report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
     samples = select_samples(DatasetSpec("builtin"), AutoTokenizer.from_pretrained(demo_model),
-                             2, 64, 0, exclude_rows=set(report["dataset"]["rows_used"]))
+                             MIN_SAMPLES, 64, 0, exclude_rows=set(report["dataset"]["rows_used"]))
     assert samples.digest() == result.samples["token_ids_sha256"]
     scales = {k: v.float().flatten() for k, v in load_file(
         smol_attn_head / "kv_scales.safetensors").items()}

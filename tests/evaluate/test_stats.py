@@ -79,3 +79,76 @@ def test_bad_input():
         stats.paired_bootstrap(np.zeros(3), np.zeros(4))
     with pytest.raises(ValueError, match="at least 2 samples"):
         stats.bootstrap(np.zeros(1))
+
+
+# ----- coverage of the 95% intervals, by simulation (issue 20 §7) ----- #
+
+COUNTS = (2, 4, 8, stats.MIN_SAMPLES, 16, 32)  # --sweep-samples 2 was the demo's; 16 eval's
+DATA_SETS = 400
+
+
+def _coverage(n: int, draw, method) -> float:
+    """How often the interval from `n` drawn samples holds the true value."""
+    rng = np.random.default_rng(n)
+    hits = 0
+    for seed in range(DATA_SETS):
+        values, true = draw(rng, n)
+        interval = method(values, seed)
+        hits += interval.low <= true <= interval.high
+    return hits / DATA_SETS
+
+
+def _per_sample_kl(rng, n, sigma):
+    """(summed KL, tokens) of n samples of 512 tokens, KL per token log-normal(sigma)."""
+    per_token = 0.01 * rng.lognormal(0.0, sigma, n)
+    return np.stack([per_token * 512, np.full(n, 512.0)], axis=1), 0.01 * math.exp(sigma**2 / 2)
+
+
+def _one(values, seed):
+    return stats.bootstrap(values, stats.ratio_of_sums, seed=seed)
+
+
+def _paired(values, seed):
+    a, b = values
+    return stats.paired_bootstrap(a, b, stats.ratio_of_sums, seed=seed).difference
+
+
+DRAWS = {
+    "normal": lambda rng, n: (np.stack([rng.normal(0.01, 0.003, n) * 512,
+                                        np.full(n, 512.0)], axis=1), 0.01),
+    "log-normal(0.5)": lambda rng, n: _per_sample_kl(rng, n, 0.5),
+}
+
+
+def _pairs(rng, n):
+    """A layer's saving: b = a + a normal difference of mean 0.002 per token."""
+    a, _ = _per_sample_kl(rng, n, 0.5)
+    b = a.copy()
+    b[:, 0] += rng.normal(0.002, 0.004, n) * 512
+    return (a, b), 0.002
+
+
+@pytest.fixture(scope="module")
+def coverage() -> dict[tuple[str, int], float]:
+    found = {(name, n): _coverage(n, draw, _one) for name, draw in DRAWS.items()
+             for n in COUNTS}
+    found.update({("paired", n): _coverage(n, _pairs, _paired) for n in COUNTS})
+    print({f"{name} n={n}": c for (name, n), c in found.items()})
+    return found
+
+
+@pytest.mark.parametrize("name", [*DRAWS, "paired"])
+def test_intervals_cover_95_percent_only_from_min_samples_on(name, coverage):
+    """From MIN_SAMPLES on, the nominal 95% interval holds the true value at least 88% of
+    the time (400 data sets: ±2.2% at 95%); with 2 or 4 samples it falls far short, which
+    is why kvcalib says "too few samples to tell" there."""
+    for n in COUNTS:
+        if n >= stats.MIN_SAMPLES:
+            assert coverage[name, n] >= 0.88, (n, coverage[name, n])
+        elif n <= 4:
+            assert coverage[name, n] < 0.85, (n, coverage[name, n])
+
+
+def test_too_few_names_the_minimum():
+    assert stats.too_few(2) == f"too few samples to tell: 2 < {stats.MIN_SAMPLES}"
+    assert stats.too_few(stats.MIN_SAMPLES) is None
