@@ -101,6 +101,7 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = load_config(model_dir)
+    weight_schemes.declared_quantization(model_dir, config)
     try:
         AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError, OSError) as exc:

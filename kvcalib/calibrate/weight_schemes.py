@@ -67,6 +67,16 @@ def check_fits(model, name: str) -> None:
                          "W8A16, FP8_DYNAMIC) or quantize with llm-compressor directly")
 
 
+def declared_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's quantization_config, refused when it is not a JSON object (transformers
+    itself fails on a list or a string with an AttributeError)."""
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise UsageError(f"{model_dir}: config.json's quantization_config must be a JSON "
+                         f"object, not {type(quant).__name__}")
+    return quant
+
+
 def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """The input's quantization_config when it quantizes weights, None when the checkpoint
     is unquantized or quantizes only the KV cache. A format kvcalib cannot load
@@ -76,12 +86,9 @@ def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any
 
     from kvcalib.checkpoint.report_file import describe
 
-    quant = config.get("quantization_config")
+    quant = declared_quantization(model_dir, config)
     if not quant:
         return None
-    if not isinstance(quant, dict):
-        raise UsageError(f"{model_dir}: config.json's quantization_config must be a JSON "
-                         f"object, not {type(quant).__name__}")
     method = quant.get("quant_method")
     if method != "compressed-tensors":
         raise UsageError(f"{model_dir} is quantized with {method!r}, which kvcalib cannot "

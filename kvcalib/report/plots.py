@@ -47,13 +47,12 @@ def sensitivity_plot(result: EvalResult, path: Path) -> Path:
                                            result.layer_scales.get(kind, []))}
     if not bars and not lines:
         raise UsageError("nothing to plot: no per-layer sweep (--sweep) and no scales")
-    noise, why = (), "within noise (95% interval includes 0)"
+    title = f"FP8 KV sensitivity: {Path(result.checkpoint).name}"
     if result.sweep and result.sweep.get("too_few_samples"):
-        noise, why = layers, result.sweep["too_few_samples"] + " samples"
-    elif result.sweep:
-        noise = result.sweep["within_noise"]
-    return sensitivity(path, layers, bars, lines,
-                       f"FP8 KV sensitivity: {Path(result.checkpoint).name}", noise, why)
+        return sensitivity(path, layers, bars, lines, title, noise=layers,
+                           noise_label=result.sweep["too_few_samples"] + " samples")
+    return sensitivity(path, layers, bars, lines, title,
+                       noise=result.sweep["within_noise"] if result.sweep else ())
 
 
 def pareto_plot(result: EvalResult, path: Path) -> Path:
@@ -155,7 +154,8 @@ def scales_by_layer(path: Path, series: Mapping[str, Sequence[float]], layers: S
 
 def sensitivity(path: Path, layers: Sequence[int], bars: Mapping[str, Sequence[float]],
                 lines: Mapping[str, Sequence[float]], title: str,
-                noise: Collection[int] = (), noise_label: str = "") -> Path:
+                noise: Collection[int] = (),
+                noise_label: str = "within noise (95% interval includes 0)") -> Path:
     """Per-layer bars (KL when one layer is quantized, or gained when it is skipped) above
     per-layer lines (scales), sharing the layer axis. Either part may be empty. Layers in
     `noise` (their effect cannot be told from zero, `noise_label` says why) get hatched,

@@ -192,6 +192,8 @@ def test_json_stdout_on_success_is_the_report(tiny_ckpt):
     ("eval", "--kivi-residual", "-1"),
     ("eval", "--batch-size", "0"), ("eval", "--sweep-samples", "0"),
     ("eval", "--num-samples", "0"), ("eval", "--max-seq-len", "0"), ("eval", "--seed", "-3"),
+    # once an OverflowError from the tokenizer; `run` refused it only by its memory need
+    ("eval", "--max-seq-len", str(2**64)), ("run", "--max-seq-len", str(2**64)),
     ("eval", "--max-kl", "-0.1"), ("eval", "--max-ppl-increase", "-1"),
     ("eval", "--min-passkey", "1.5"), ("eval", "--passkey-lengths", "1024,0"),
     ("eval", "--passkey-depths", "0.5,1.5"),
@@ -206,6 +208,30 @@ def test_meaningless_numbers_are_usage_errors(command, option, value, tiny_ckpt,
     _assert_usage_error(result, "Invalid value for '")
     assert f"'{option}'" in result.stderr, result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--budget", "12 parsecs"], "--budget needs --formats"),  # once silently ignored
+    (["--block-size", "16"], "--block-size needs --formats"),
+    (["--formats", "fp8", "--budget", "12 parsecs"], "budget '12 parsecs' is not a size"),
+])
+def test_format_options_without_formats_or_with_a_bad_budget(extra, message, tiny_ckpt):
+    result = run_kvcalib("eval", tiny_ckpt, *extra, timeout=120)
+    _assert_usage_error(result, message)
+    assert "Evaluating" not in result.stderr
+
+
+def test_a_pareto_plot_with_no_format_scored_keeps_the_json(tiny_ckpt, tmp_path):
+    """Neither format runs on an AVX2 CPU: the plot has nothing to show and says so, after
+    the JSON is written (it once crashed log-scaling an empty plot and lost the JSON)."""
+    result = run_kvcalib(*_commands(tiny_ckpt, tmp_path / "out")["eval"], "--formats",
+                         "fp8_e5m2,nvfp4", "--target", "cpu-avx2", "--pareto",
+                         tmp_path / "p.png", "--json", tmp_path / "p.json", timeout=600)
+    _assert_usage_error(result, "nothing to plot: no format of --formats was scored on "
+                                "cpu-avx2")
+    assert json.loads((tmp_path / "p.json").read_text())["formats"]["target"] == "cpu-avx2"
+    assert not (tmp_path / "p.png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
 
 
 def test_demo_model_dest_that_is_a_file(tmp_path):

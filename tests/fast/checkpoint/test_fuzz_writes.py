@@ -1,0 +1,108 @@
+"""A command that writes a checkpoint, on random inputs and random outputs (issue 20 §8).
+
+Hypothesis draws the input's layout (which file holds each tensor, among names the output
+also uses; an index or none; a tensor left out) and the output (fresh, inside the input,
+the input itself, existing and not empty with or without --overwrite and holding a hard
+link to an input file, under a file, in /proc). `convert` writes it, in process.
+
+The property, for any draw: every input file keeps its sha256; after success the output
+passes static verify and every tensor its index names is in the file it names, with the
+input's bytes; after a kvcalib error nothing new is at the output, an existing output is
+as it was, and no temporary is left beside it. Any other exception fails the test.
+KVCALIB_FUZZ_EXAMPLES sets the number of examples (CI: 100, about 10 s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import tiny_files
+from kvcalib.checkpoint.convert import convert
+from kvcalib.checkpoint.read import open_checkpoint
+from kvcalib.checks import FAIL
+from kvcalib.errors import KvcalibError
+
+EXAMPLES = int(os.environ.get("KVCALIB_FUZZ_EXAMPLES", "100"))
+FILE_NAMES = ["model.safetensors", "model-00001-of-00001.safetensors",
+              "model-00001-of-00002.safetensors", "kv_scales.safetensors",
+              "weights.safetensors"]
+TENSORS = sorted(tiny_files.weight_shapes()) + tiny_files.scale_names()
+OUTPUTS = ["fresh", "inside the input", "the input", "existing", "existing --overwrite",
+           "holds a hard link --overwrite", "under a file", "in /proc"]
+
+
+@st.composite
+def inputs(draw) -> tuple[dict[str, list[str]], bool]:
+    """File name -> tensors it holds (some tensor may be in no file), and whether an index
+    names them."""
+    placed: dict[str, list[str]] = {}
+    for tensor in TENSORS:
+        if draw(st.integers(0, 59)) == 0:
+            continue  # left out
+        placed.setdefault(draw(st.sampled_from(FILE_NAMES)), []).append(tensor)
+    index = len(placed) > 1 or draw(st.booleans())
+    return placed, index
+
+
+def _snapshot(folder: Path) -> dict[str, str] | None:
+    return tiny_files.digests(folder) if folder.is_dir() else None
+
+
+def _prepare(kind: str, root: Path, src: Path) -> tuple[Path, bool]:
+    """The output path for `kind`, made as it says; and whether --overwrite is given."""
+    if kind == "inside the input":
+        return src / "out", False
+    if kind == "the input":
+        return src, True
+    if kind == "under a file":
+        (root / "file").write_text("keep")
+        return root / "file" / "out", False
+    if kind == "in /proc":
+        return Path("/proc/kvcalib-fuzz-out"), False
+    out = root / "out"
+    if kind.startswith(("existing", "holds")):
+        out.mkdir()
+        (out / "old.txt").write_text("old")
+        if kind.startswith("holds"):  # a hard link to the input's files
+            for first in sorted(src.glob("*.safetensors"))[:1]:
+                os.link(first, out / first.name)
+    return out, kind.endswith("--overwrite")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(inputs(), st.sampled_from(OUTPUTS), st.sampled_from(["modelopt", "quark"]))
+def test_writing_never_changes_an_input_and_leaves_all_or_nothing(layout, kind, to):
+    placed, index = layout
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        src = tiny_files.build(root / "src", placed, index=index)
+        out, overwrite = _prepare(kind, root, src)
+        before_input, before_output = tiny_files.digests(src), _snapshot(out)
+        try:
+            convert(src, to, out, overwrite=overwrite)
+        except KvcalibError as exc:
+            event(f"refused: {type(exc).__name__}")
+            assert tiny_files.digests(src) == before_input
+            assert _snapshot(out) == before_output
+            if out.parent.is_dir():
+                left = [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
+                assert left == [], left
+            return
+        event(f"written: {kind}")
+        assert tiny_files.digests(src) == before_input
+        _, checks = open_checkpoint(out)
+        assert [c.message for c in checks if c.status == FAIL] == []
+        stored = {}
+        for path in src.glob("*.safetensors"):
+            stored.update(tiny_files.peers.raw_tensors(path))
+        for name, raw in tiny_files.indexed_tensors(out).items():
+            if name in tiny_files.weight_shapes():
+                assert raw == stored[name], name
+        shutil.rmtree(out)
