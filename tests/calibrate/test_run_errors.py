@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -218,3 +219,18 @@ def test_kill_while_writing_leaves_no_output_and_keeps_the_old_one(demo_model, t
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert json.loads((out / "kvcalib_report.json").read_text())["samples"]["used"] == 2
+
+
+@pytest.mark.parametrize("value", [["compressed-tensors"], "fp8"])
+def test_a_quantization_config_that_is_not_an_object(value, tiny_model, tmp_path):
+    """Once an AttributeError traceback from `run`; verify fails it as a check."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": value}))
+    assert_error(kvcalib_run(model, tmp_path / "out"), 2,
+                 f"quantization_config must be a JSON object, not {type(value).__name__}")
+    assert not (tmp_path / "out").exists()
+    result = run_kvcalib("verify", model, "--static-only")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "quantization_config must be a JSON object" in result.stdout
