@@ -190,10 +190,12 @@ def launch(nproc: int, kvcalib_args: list[str]) -> int:
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as exc:
-        if any(f.exitcode == INTERRUPTED for f in exc.failures.values()):
-            raise KeyboardInterrupt from None  # the ranks had Ctrl-C too
-        died = {rank: f for rank, f in exc.failures.items() if f.exitcode not in (1, 2)}
+        # torchrun stops the others with SIGTERM, which kvcalib takes as an interrupt (130)
+        died = {rank: f for rank, f in exc.failures.items()
+                if f.exitcode not in (1, 2, INTERRUPTED)}
         if not died:
+            if any(f.exitcode == INTERRUPTED for f in exc.failures.values()):
+                raise KeyboardInterrupt from None  # the ranks had Ctrl-C too
             return exc.get_first_failure()[1].exitcode
         rank = min(died)
         raise CheckFailed(f"rank {rank} of {nproc} {_died(died[rank].exitcode)}; torchrun "

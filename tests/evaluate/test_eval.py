@@ -29,7 +29,8 @@ from kvcalib.evaluate import (
 )
 from kvcalib.evaluate.stats import MIN_SAMPLES
 
-SMALL = HeldOut(num_samples=3, max_seq_len=96)
+# the fewest samples that give intervals (kvcalib.evaluate.stats)
+SMALL = HeldOut(num_samples=MIN_SAMPLES, max_seq_len=96)
 ONE_SAMPLE = HeldOut(num_samples=1, max_seq_len=48)
 
 
@@ -47,7 +48,7 @@ def test_metrics_are_reproducible_and_ordered(smol_eval, smol_attn_head):
     for metrics in m.values():
         assert 0 < metrics.mean_kl < metrics.p99_kl and 0.8 < metrics.top1 <= 1
     assert smol_eval.samples["excluded_calibration_rows"] == 6  # the rows calibration used
-    assert smol_eval.samples["count"] == 3
+    assert smol_eval.samples["count"] == MIN_SAMPLES
     for metrics in m.values():  # the per-sample sums are the tokens' KL, regrouped
         sums = metrics.kl_pairs()
         assert sums[:, 1].sum() == smol_eval.samples["tokens"] - len(sums)
@@ -55,7 +56,7 @@ def test_metrics_are_reproducible_and_ordered(smol_eval, smol_attn_head):
         low, high = metrics.mean_kl_ci
         assert low <= metrics.mean_kl <= high
     # SmolLM2's K/V lie inside E4M3's range: what calibration gains over scale 1.0 is
-    # smaller than the spread over 3 samples on some CPUs and not on others; the verdict
+    # smaller than the spread over the samples on some CPUs and not on others; the verdict
     # must follow an independent paired bootstrap of the per-sample differences.
     ours, unit = m[CALIBRATED].kl_pairs(), m[SCALE_ONE].kl_pairs()
     rng = np.random.default_rng(1)

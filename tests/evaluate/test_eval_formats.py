@@ -19,6 +19,7 @@ from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.evaluate import CALIBRATED, EvalOptions, Formats, Gates, HeldOut, evaluate
 from kvcalib.evaluate.formats import FormatRow, meets_gates, nvfp4_scales, recommend
 from kvcalib.evaluate.formats import format_names as names_for
+from kvcalib.evaluate.stats import MIN_SAMPLES
 from kvcalib.kvcache import quantize as kvquant
 from kvcalib.report.summaries import eval_summary
 
@@ -34,7 +35,7 @@ def tokens_in(budget: int, bytes_per_token: int) -> int:
 
 @pytest.fixture(scope="module")
 def formats_eval(smol_attn_head):
-    return evaluate(smol_attn_head, EvalOptions(HeldOut(num_samples=3, max_seq_len=48),
+    return evaluate(smol_attn_head, EvalOptions(HeldOut(num_samples=MIN_SAMPLES, max_seq_len=48),
                                                 formats=Formats(FORMATS, budget="1GiB")),
                     log=lambda _: None)
 
@@ -116,7 +117,7 @@ def test_differences_have_paired_intervals(formats_eval):
         assert kl["difference"] == pytest.approx(m[row["metrics_key"]].mean_kl
                                                  - reference.mean_kl, rel=1e-9)
         assert kl["low"] <= kl["difference"] <= kl["high"]
-        assert kl["within_noise"] == (kl["low"] <= 0 <= kl["high"]) and kl["samples"] == 3
+        assert kl["within_noise"] == (kl["low"] <= 0 <= kl["high"]) and kl["samples"] == MIN_SAMPLES
         ppl = row["vs_reference"]["ppl"]
         assert ppl["difference"] == pytest.approx(m[row["metrics_key"]].ppl - reference.ppl,
                                                   rel=1e-6)
