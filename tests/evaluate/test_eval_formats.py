@@ -75,7 +75,7 @@ def test_kl_matches_an_independent_hook_path(formats_eval, smol_attn_head, demo_
     layers vLLM quantizes (not its first and last two), through compressed-tensors' hooks."""
     report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
     samples = select_samples(DatasetSpec("builtin"), AutoTokenizer.from_pretrained(demo_model),
-                             3, 48, 0, exclude_rows=set(report["dataset"]["rows_used"]))
+                             MIN_SAMPLES, 48, 0, exclude_rows=set(report["dataset"]["rows_used"]))
     assert samples.digest() == formats_eval.samples["token_ids_sha256"]
 
     def int8(x):  # as _reshape_cache_per_token_head: times the reciprocal (x / scale moves
