@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,56 @@ def complete_weights(config: dict) -> dict[str, np.ndarray]:
         "model.embed_tokens.weight"} | {f"model.layers.{i}.mlp.down_proj.weight"
                                         for i in range(layers)}
     return {name: np.zeros(1, dtype=np.float16) for name in sorted(names)}
+
+
+# The outputs the write properties draw (tests/fast/checkpoint/test_fuzz_writes.py for
+# convert, tests/calibrate/test_fuzz_run.py for run).
+OUTPUTS = ["fresh", "inside the input", "the input", "existing", "existing --overwrite",
+           "holds a hard link --overwrite", "under a file", "in /proc"]
+
+
+def prepare_output(kind: str, root: Path, src: Path) -> tuple[Path, bool]:
+    """The output path for `kind` (one of OUTPUTS), made as it says; and whether
+    --overwrite is given."""
+    if kind == "inside the input":
+        return src / "out", False
+    if kind == "the input":
+        return src, True
+    if kind == "under a file":
+        (root / "file").write_text("keep")
+        return root / "file" / "out", False
+    if kind == "in /proc":
+        return Path("/proc/kvcalib-fuzz-out"), False
+    out = root / "out"
+    if kind.startswith(("existing", "holds")):
+        out.mkdir()
+        (out / "old.txt").write_text("old")
+        if kind.startswith("holds"):  # a hard link to the input's files
+            for first in sorted(src.glob("*.safetensors"))[:1]:
+                os.link(first, out / first.name)
+    return out, kind.endswith("--overwrite")
+
+
+def snapshot(folder: Path) -> dict[str, str] | None:
+    return digests(folder) if folder.is_dir() else None
+
+
+def assert_nothing_left(out: Path, before_output: dict[str, str] | None) -> None:
+    """After a refusal: an existing output is as it was, nothing new is there, and no
+    temporary is left beside it."""
+    assert snapshot(out) == before_output
+    if out.parent.is_dir():
+        left = [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
+        assert left == [], left
+
+
+def assert_weights_where_indexed(out: Path, src: Path) -> None:
+    """Every weight the output's index names is in the file it names, with the bytes the
+    input holds for it."""
+    stored = {}
+    for path in src.glob("*.safetensors"):
+        stored.update(peers.raw_tensors(path))
+    indexed = indexed_tensors(out)
+    for name, raw in stored.items():
+        if not name.endswith(("k_scale", "v_scale", "q_scale")):
+            assert indexed[name] == raw, name

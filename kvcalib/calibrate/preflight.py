@@ -14,7 +14,13 @@ from kvcalib.calibrate import distributed, memory, weight_schemes
 from kvcalib.calibrate.options import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
 from kvcalib.checkpoint.expected import weight_problems
 from kvcalib.checkpoint.read import Checkpoint, open_model
-from kvcalib.checkpoint.safetensors import weight_files
+from kvcalib.checkpoint.safetensors import (
+    INDEX_NAME,
+    LONE_NAME,
+    TensorInfo,
+    file_tensors,
+    weight_files,
+)
 from kvcalib.checkpoint.write import choose_placement
 from kvcalib.dtypes import DTYPES
 from kvcalib.errors import CheckpointError, UsageError
@@ -60,11 +66,12 @@ def preflight(model: str | Path, output: str | Path, scales: ScaleOptions,
     if ranks.writer:
         target = check_output_target(target, model_dir, writing.overwrite)
     source = open_model(model_dir, _check_causal_lm(model_dir))
-    problems = weight_problems(source.tensors, source.config)
+    loaded, which = _loaded_by_transformers(source)
+    problems = weight_problems(loaded, source.config)
     if problems:  # transformers would fill them at random, or drop them, and calibrate noise
-        raise UsageError(f"{model_dir}: {problems.describe()}. transformers would fill "
-                         "missing weights at random and drop unexpected ones, so the scales "
-                         "would not be the model's; nothing was loaded")
+        raise UsageError(f"{model_dir}: {which}{problems.describe()}. transformers would "
+                         "fill missing weights at random and drop unexpected ones, so the "
+                         "scales would not be the model's; nothing was loaded")
     input_quant = weight_schemes.input_quantization(model_dir, source.config)
     if scheme is not None and input_quant is not None:
         raise UsageError(f"--scheme quantizes the weights of an unquantized checkpoint, and "
@@ -92,6 +99,19 @@ def preflight(model: str | Path, output: str | Path, scales: ScaleOptions,
                          "(utils/dev.py get_main_device), a GPU the other nodes lack; "
                          "use --pipeline basic (the model must fit one GPU) or one node")
     return Preflight(source, target, placement, settings, plan, input_quant)
+
+
+def _loaded_by_transformers(source: Checkpoint) -> tuple[dict[str, TensorInfo], str]:
+    """The tensors transformers will load, and how it picks them when that is not what the
+    index says. It reads model.safetensors alone when that file exists, ignoring the index
+    and every other file (modeling_utils._get_resolved_checkpoint_files); vLLM reads the
+    index's files. A folder holding both would calibrate other weights than vLLM serves."""
+    lone = source.folder / LONE_NAME
+    if not lone.is_file() or set(weight_files(source.folder)) == {LONE_NAME}:
+        return source.tensors, ""
+    return (file_tensors(source.folder, LONE_NAME),
+            f"transformers loads {LONE_NAME} alone when it exists (ignoring {INDEX_NAME} "
+            "and the other files), and with it the ")
 
 
 def _check_causal_lm(model_dir: Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from kvcalib.errors import CheckpointError
 from kvcalib.files import new_file, open_file, parse_json, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
+LONE_NAME = "model.safetensors"  # an unsharded checkpoint; transformers prefers it
 # safetensors' own limit (MAX_HEADER_SIZE); a 1 TB model's header is a few MB.
 MAX_HEADER_BYTES = 100_000_000
 RawTensor = tuple[str, tuple[int, ...], bytes]

@@ -31,6 +31,7 @@ from kvcalib.checkpoint.read import Checkpoint
 from kvcalib.checkpoint.report_file import REPORT_FILE
 from kvcalib.checkpoint.safetensors import (
     INDEX_NAME,
+    LONE_NAME,
     RawTensor,
     copy_tensors,
     file_tensors,
@@ -146,9 +147,9 @@ def output_names(files: list[str]) -> dict[str, str]:
     input file's, a numbered name is taken instead.
     """
     names: dict[str, str] = {}
-    taken = set(RESERVED) | {f for f in files if f != "model.safetensors"}
+    taken = set(RESERVED) | {f for f in files if f != LONE_NAME}
     for src in files:
-        wanted = "model-00001-of-00001.safetensors" if src == "model.safetensors" else src
+        wanted = "model-00001-of-00001.safetensors" if src == LONE_NAME else src
         if wanted in RESERVED or (wanted != src and wanted in taken):
             stem = Path(wanted).stem
             wanted = next(name for n in range(1, len(files) + 2) if

@@ -33,8 +33,6 @@ FILE_NAMES = ["model.safetensors", "model-00001-of-00001.safetensors",
               "model-00001-of-00002.safetensors", "kv_scales.safetensors",
               "weights.safetensors"]
 TENSORS = sorted(tiny_files.weight_shapes()) + tiny_files.scale_names()
-OUTPUTS = ["fresh", "inside the input", "the input", "existing", "existing --overwrite",
-           "holds a hard link --overwrite", "under a file", "in /proc"]
 
 
 @st.composite
@@ -50,59 +48,26 @@ def inputs(draw) -> tuple[dict[str, list[str]], bool]:
     return placed, index
 
 
-def _snapshot(folder: Path) -> dict[str, str] | None:
-    return tiny_files.digests(folder) if folder.is_dir() else None
-
-
-def _prepare(kind: str, root: Path, src: Path) -> tuple[Path, bool]:
-    """The output path for `kind`, made as it says; and whether --overwrite is given."""
-    if kind == "inside the input":
-        return src / "out", False
-    if kind == "the input":
-        return src, True
-    if kind == "under a file":
-        (root / "file").write_text("keep")
-        return root / "file" / "out", False
-    if kind == "in /proc":
-        return Path("/proc/kvcalib-fuzz-out"), False
-    out = root / "out"
-    if kind.startswith(("existing", "holds")):
-        out.mkdir()
-        (out / "old.txt").write_text("old")
-        if kind.startswith("holds"):  # a hard link to the input's files
-            for first in sorted(src.glob("*.safetensors"))[:1]:
-                os.link(first, out / first.name)
-    return out, kind.endswith("--overwrite")
-
-
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
           suppress_health_check=[HealthCheck.too_slow])
-@given(inputs(), st.sampled_from(OUTPUTS), st.sampled_from(["modelopt", "quark"]))
+@given(inputs(), st.sampled_from(tiny_files.OUTPUTS), st.sampled_from(["modelopt", "quark"]))
 def test_writing_never_changes_an_input_and_leaves_all_or_nothing(layout, kind, to):
     placed, index = layout
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         src = tiny_files.build(root / "src", placed, index=index)
-        out, overwrite = _prepare(kind, root, src)
-        before_input, before_output = tiny_files.digests(src), _snapshot(out)
+        out, overwrite = tiny_files.prepare_output(kind, root, src)
+        before_input, before_output = tiny_files.digests(src), tiny_files.snapshot(out)
         try:
             convert(src, to, out, overwrite=overwrite)
         except KvcalibError as exc:
             event(f"refused: {type(exc).__name__}")
             assert tiny_files.digests(src) == before_input
-            assert _snapshot(out) == before_output
-            if out.parent.is_dir():
-                left = [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
-                assert left == [], left
+            tiny_files.assert_nothing_left(out, before_output)
             return
         event(f"written: {kind}")
         assert tiny_files.digests(src) == before_input
         _, checks = open_checkpoint(out)
         assert [c.message for c in checks if c.status == FAIL] == []
-        stored = {}
-        for path in src.glob("*.safetensors"):
-            stored.update(tiny_files.peers.raw_tensors(path))
-        for name, raw in tiny_files.indexed_tensors(out).items():
-            if name in tiny_files.weight_shapes():
-                assert raw == stored[name], name
+        tiny_files.assert_weights_where_indexed(out, src)
         shutil.rmtree(out)
