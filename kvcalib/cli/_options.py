@@ -40,7 +40,7 @@ def _output_file(param: typer.CallbackParam, value: Path | None) -> Path | None:
     return check_output_file(value, param.opts[0])
 
 
-def _output_folder(param: typer.CallbackParam, value: Path | None) -> Path | None:
+def output_folder(param: typer.CallbackParam, value: Path | None) -> Path | None:
     """An output folder option, checked while parsing."""
     return None if value is None else check_output_folder(value, param.opts[0])
 
@@ -79,7 +79,7 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
 
 
 def folder_option(help: str) -> Any:
-    return Annotated[Path | None, typer.Option(callback=_output_folder, help=help)]
+    return Annotated[Path | None, typer.Option(callback=output_folder, help=help)]
 
 
 def plot_option(help: str) -> Any:

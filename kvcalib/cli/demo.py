@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvcalib.cli._options import folder_option, info
+from kvcalib.cli._options import folder_option, info, output_folder
 
 Dest = folder_option("Where to put it (default: $KVCALIB_HOME/models/"
                          "SmolLM2-135M-Instruct).")
@@ -21,7 +21,8 @@ def demo_model(dest: Dest = None) -> None:
 
 
 def demo(
-    output: Annotated[Path, typer.Option(help="Folder for the demo's results.")] = Path(
+    output: Annotated[Path, typer.Option(callback=output_folder,
+                                         help="Folder for the demo's results.")] = Path(
         "kvcalib-demo"),
     num_samples: Annotated[int, typer.Option(help="Calibration samples.")] = 32,
     max_seq_len: Annotated[int, typer.Option(help="Tokens per sample.")] = 512,

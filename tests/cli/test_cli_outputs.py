@@ -96,17 +96,21 @@ def test_bad_plot_path_is_refused_before_any_work(command, kind, message, tiny_c
      "unsupported plot format"),
     (["eval", "CKPT", "--formats", "fp8", "--pareto", "/proc/x.png"], "--pareto"),
     (["verify", "CKPT", "--static-only", "--log-dir", "/proc/logs"], "--log-dir"),
+    (["demo", "--output", "/proc/kvcalib-demo"], "--output /proc/kvcalib-demo"),
+    (["demo", "--output", "OUT/../file/x"], "is a file, not a folder"),
+    (["demo-model", "--dest", "/proc/kvcalib-model"], "--dest /proc/kvcalib-model"),
 ])
 def test_unwritable_places_are_refused_before_any_work(args, message, tiny_ckpt, tmp_path):
     """Proven by creating a file there, not by os.access (which says yes to root on
     /proc): once a regression of `run --output /proc/x` to a reflink probe's traceback."""
     out = tmp_path / "out"
+    (tmp_path / "file").write_text("keep")
     args = [str(out) if a == "OUT" else str(tiny_ckpt) if a == "CKPT" else
             a.replace("OUT", str(out)) for a in args]
     result = run_kvcalib(*args, timeout=120)
     _assert_usage_error(result, message)
     assert "Loading" not in result.stderr and "Evaluating" not in result.stderr
-    assert not out.exists()
+    assert not out.exists() and (tmp_path / "file").read_text() == "keep"
 
 
 def test_plot_folder_is_refused_and_a_bare_name_gets_png(tiny_ckpt, tmp_path):
