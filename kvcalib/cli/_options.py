@@ -95,6 +95,16 @@ def keep_inputs_intact(inputs: list[Any], outputs: dict[str, Path | None]) -> No
                                       if not is_stdout(path)})
 
 
+def engine_log_dir(command: str, checkpoint: Path, given: Path | None,
+                   json_folder: Path | None) -> Path:
+    """Where vLLM's logs go: --log-dir, else beside --json, else
+    ./kvcalib-COMMAND-logs/NAME (which keep_inputs_intact must also see: the current
+    folder may be inside the checkpoint)."""
+    from kvcalib.verify.engine import log_folder
+
+    return given or json_folder or log_folder(command, checkpoint)
+
+
 def info(message: str) -> None:
     """Progress and notes: standard error, so that standard output stays the result."""
     typer.echo(message, err=True)

@@ -8,7 +8,14 @@ from typing import Annotated
 
 import typer
 
-from kvcalib.cli._options import JsonOut, grouped, info, keep_inputs_intact, plot_option
+from kvcalib.cli._options import (
+    JsonOut,
+    engine_log_dir,
+    grouped,
+    info,
+    keep_inputs_intact,
+    plot_option,
+)
 from kvcalib.cli._output import Output
 from kvcalib.errors import UsageError
 from kvcalib.evaluate.options import EvalOptions, Passkey
@@ -40,12 +47,14 @@ def evaluate(
     if pareto is not None and not options.formats.names:
         raise UsageError("--pareto needs --formats")
     dataset = options.held_out.dataset
-    keep_inputs_intact([checkpoint, dataset and dataset.source],
-                       {"--json": json_path, "--plot": plot, "--pareto": pareto})
     out = Output(json_path)
-    if options.engine.engine:
+    logs = engine_log_dir("eval", checkpoint, None, out.folder) if options.engine.engine else None
+    keep_inputs_intact([checkpoint, dataset and dataset.source],
+                       {"--json": json_path, "--plot": plot, "--pareto": pareto,
+                        "the engine's log folder": logs})
+    if logs is not None:
         options = dataclasses.replace(
-            options, engine=dataclasses.replace(options.engine, log_dir=out.folder))
+            options, engine=dataclasses.replace(options.engine, log_dir=logs))
     result = run_evaluate(checkpoint, options, log=info)
     out.result(result.to_dict(), eval_summary(result))
     if plot:  # after the result: a figure that fails loses nothing computed

@@ -10,6 +10,7 @@ import typer
 from kvcalib.cli._options import (
     JsonOut,
     JunitOut,
+    engine_log_dir,
     folder_option,
     grouped,
     info,
@@ -36,10 +37,11 @@ def verify(
     from kvcalib.report.summaries import verify_summary
     from kvcalib.verify.run import verify as run_verify
 
-    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit,
-                                      "--log-dir": log_dir})
     out = Output(json_path, junit)
-    result = run_verify(checkpoint, static_only=static_only, options=options,
-                        log_dir=log_dir or out.folder, log=info)
+    logs = None if static_only else engine_log_dir("verify", checkpoint, log_dir, out.folder)
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit,
+                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    result = run_verify(checkpoint, static_only=static_only, options=options, log_dir=logs,
+                        log=info)
     out.result(result.to_dict(), verify_summary(result), result.checks, "kvcalib.verify")
     raise typer.Exit(result.exit_code)

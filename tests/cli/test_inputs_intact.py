@@ -78,3 +78,18 @@ def test_an_output_linked_to_an_input_file_is_refused(link, tiny_ckpt, tmp_path)
     result = run_kvcalib("verify", source, "--static-only", "--json", report, timeout=120)
     assert result.returncode == 2 and said in result.stderr, result.stderr
     assert _digests(source) == before
+
+
+@pytest.mark.parametrize("args, label", [(["verify", "."], "the default --log-dir"),
+                                         (["eval", ".", "--engine"], "the engine's log folder")])
+def test_default_log_folder_inside_the_input_is_refused(args, label, tiny_ckpt, tmp_path):
+    """The default log folder, ./kvcalib-COMMAND-logs/NAME, lies inside the checkpoint
+    when the command runs from there."""
+    source = tmp_path / "in"
+    shutil.copytree(tiny_ckpt, source)
+    before = _digests(source)
+    result = run_kvcalib(*args, cwd=source, timeout=120)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert f"Error: {label} kvcalib-{args[0]}-logs/in is inside the input folder" \
+        in result.stderr, result.stderr
+    assert _digests(source) == before
