@@ -17,6 +17,7 @@ module of the model owns it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,10 @@ def _stored_as_itself(name: str) -> str:
     return name
 
 
+def _none_merged(weights: set[str]) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class Expected:
     """What the architecture needs: parameter names and the modules that may own tensors
@@ -42,12 +47,15 @@ class Expected:
     `loaded_as` maps a stored tensor name to the parameter transformers loads it into: its
     checkpoint conversions rename keys and merge per-expert tensors (Mixtral's
     `block_sparse_moe.experts.0.w1.weight` becomes `mlp.experts.gate_up_proj`).
+    `merged_gaps` names the per-expert tensors missing from a merged parameter that has
+    some of them (transformers would merge the rest into a parameter of the wrong size).
     """
 
     source: str  # "the model class X" or "config.json"
     parameters: frozenset[str] = frozenset()
     modules: frozenset[str] = frozenset()
     loaded_as: Callable[[str], str] = _stored_as_itself
+    merged_gaps: Callable[[set[str]], list[str]] = _none_merged
 
 
 @dataclass(frozen=True)
@@ -96,27 +104,56 @@ def expected(config: dict[str, Any]) -> Expected:
     # remove_duplicate: a tied parameter (lm_head = embed_tokens) is needed once
     parameters = frozenset(name for name, _ in model.named_parameters(remove_duplicate=True))
     modules = frozenset(name for name, _ in model.named_modules(remove_duplicate=False))
+    loaded_as, merged_gaps = _conversions(model)
     return Expected(f"the model class {type(model).__name__}", parameters, modules,
-                    _loaded_as(model))
+                    loaded_as, merged_gaps)
 
 
-def _loaded_as(model: Any) -> Callable[[str], str]:
+def _conversions(model: Any) -> tuple[Callable[[str], str], Callable[[set[str]], list[str]]]:
     """transformers' own renaming of stored keys at load time
-    (core_model_loading.convert_and_load_state_dict_in_model, step 1)."""
+    (core_model_loading.convert_and_load_state_dict_in_model, step 1), and the check that
+    every expert of a merged parameter is stored: a MergeModulelist(dim=0) stacks one
+    stored tensor per expert along the parameter's first dimension, for each of the
+    converter's source patterns (`.experts.*.w1.weight`)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import (
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
 
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     state = model.state_dict()
+    stacking = [re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+                for c in converters if any(isinstance(op, MergeModulelist) and op.dim == 0
+                                           for op in c.operations)
+                for pattern in c.source_patterns if "*" in pattern]
 
     def loaded_as(name: str) -> str:
         renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix,
                                        state)
         return name if renamed not in state and name in state else renamed
 
-    return loaded_as
+    def merged_gaps(weights: set[str]) -> list[str]:
+        experts: dict[tuple[str, str], set[int]] = {}  # (parameter, pattern) -> stored
+        for name in weights:
+            for pattern in stacking:
+                found = pattern.search(name)
+                if found:
+                    key = (loaded_as(name), name[:found.start(1)] + "*" + name[found.end(1):])
+                    experts.setdefault(key, set()).add(int(found.group(1)))
+        gaps = []
+        for (parameter, stored_as), have in sorted(experts.items()):
+            count = state[parameter].shape[0] if parameter in state else len(have)
+            lacking = sorted(set(range(count)) - have)
+            if lacking:
+                gaps.append(f"{stored_as} for experts {index_ranges(lacking)} of {count}")
+        return gaps
+
+    return loaded_as, merged_gaps
 
 
 def _from_config(config: dict[str, Any]) -> Expected:
@@ -144,7 +181,7 @@ def weight_problems(tensors: dict[str, Any], config: dict[str, Any]) -> WeightPr
     present = set(loaded.values())
     stored = {(t.rsplit(".", 1)[0], t.rsplit(".", 1)[-1].split("_")[0]) for t in present}
     missing = sorted(p for p in want.parameters if p not in present
-                     and tuple(p.rsplit(".", 1)) not in stored)
+                     and tuple(p.rsplit(".", 1)) not in stored) + want.merged_gaps(weights)
     unexpected = sorted(name for name, target in loaded.items()
                         if target.rsplit(".", 1)[0] not in want.modules)
     return WeightProblems(want.source, missing, unexpected)

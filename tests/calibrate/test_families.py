@@ -95,6 +95,28 @@ def test_a_moe_layer_without_its_experts_is_named_by_the_merged_parameter(family
                     "model.layers.1.mlp.experts.gate_up_proj"]
 
 
+@pytest.mark.parametrize("name", ["Qwen3-MoE", "Mixtral", "GLM-4.5", "MiniMax-M2",
+                                  "Qwen3-Next", "DeepSeek-V3"])
+def test_a_merged_parameter_missing_some_experts_names_them(name, family_model, tmp_path):
+    """These families store one tensor per expert, which transformers stacks into one
+    parameter: two experts of one kind missing would load a parameter of the wrong size."""
+    model = family_model(name)
+    config = json.loads((model / "config.json").read_text())
+    count = next(config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                 if k in config)
+    tensors = peers.raw_tensors(model / "model.safetensors")
+    kind = sorted(n for n in tensors if ".experts.1." in n)[-1]  # the last layer's last kind
+    dropped = {kind.replace(".experts.1.", f".experts.{i}.") for i in (1, 2)}
+    assert dropped <= set(tensors) and count >= 3
+    shutil.copytree(model, tmp_path / "m")
+    peers._write(tmp_path / "m" / "model.safetensors",
+                 [(n, d, s, r) for n, (d, s, r) in sorted(tensors.items()) if n not in dropped])
+    _, checks = open_checkpoint(tmp_path / "m")
+    said = [c.message for c in checks if c.group == "weights"]
+    assert len(said) == 1 and said[0].endswith(
+        f"1 missing: {kind.replace('.experts.1.', '.experts.*.')} for experts 1-2 of {count}")
+
+
 @pytest.mark.parametrize("name", MLA)
 def test_mla_family_is_refused_before_loading_and_writes_nothing(name, family_model, tmp_path):
     with pytest.raises(UsageError) as refused:
