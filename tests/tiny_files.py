@@ -120,6 +120,29 @@ def complete_weights(config: dict) -> dict[str, np.ndarray]:
     return {name: np.zeros(1, dtype=np.float16) for name in sorted(names)}
 
 
+def input_folder(root: Path, cached: bool) -> Path:
+    """Where a test's input goes: a plain folder, or a snapshot of the Hugging Face cache
+    (models--ORG--NAME/snapshots/REV), whose files as_cache_links turns into links."""
+    return root / ("models--kvcalib--tiny/snapshots/0123abcd" if cached else "src")
+
+
+def as_cache_links(folder: Path) -> None:
+    """Lay a snapshot `folder` out as the Hugging Face cache does: every weight file a
+    symbolic link to a blob in the repository's blobs folder (../../blobs)."""
+    blobs = folder.parent.parent / "blobs"
+    blobs.mkdir(exist_ok=True)
+    for path in folder.glob("*.safetensors"):
+        path.rename(blobs / path.name)
+        path.symlink_to(Path("../../blobs") / path.name)
+
+
+def input_digests(folder: Path) -> dict[str, str]:
+    """digests of `folder` (links followed) and of the cache's blobs its links lead to."""
+    blobs = folder.parent.parent / "blobs"
+    return {**digests(folder), **{f"blobs/{name}": digest for name, digest in
+                                  (digests(blobs) if blobs.is_dir() else {}).items()}}
+
+
 # The outputs the write properties draw (tests/fast/checkpoint/test_fuzz_writes.py for
 # convert, tests/calibrate/test_fuzz_run.py for run).
 OUTPUTS = ["fresh", "inside the input", "the input", "existing", "existing --overwrite",

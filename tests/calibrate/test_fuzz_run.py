@@ -2,9 +2,10 @@
 
 Hypothesis redistributes a real tiny Llama's tensors over files whose names the output
 also uses (model.safetensors alone or beside shards such as
-model-00001-of-00001.safetensors; kv_scales.safetensors), with an index or not, sometimes
-with the old KV scales of an earlier calibration and sometimes without one tensor. It
-draws `--weights` (copy, link, reflink, auto) and the output (tiny_files.OUTPUTS).
+model-00001-of-00001.safetensors; kv_scales.safetensors), with an index or not, as plain
+files or as the Hugging Face cache's links to blobs, sometimes with the old KV scales of
+an earlier calibration and sometimes without one tensor. It draws `--weights` (copy,
+link, reflink, auto) and the output (tiny_files.OUTPUTS).
 `calibrate` runs for real, in process, on two 16-token samples.
 
 The property, for any draw: every input file keeps its sha256. After success the output
@@ -13,7 +14,7 @@ input's bytes, and the scales equal those of a run on the model's own folder (th
 weights calibrated were the input's, not transformers' random fill). After a kvcalib
 error nothing new is at the output, an existing output is as it was, and no temporary is
 left beside it. Any other exception fails the test.
-KVCALIB_FUZZ_RUN_EXAMPLES sets the number of examples (CI: 40, about 20 s).
+KVCALIB_FUZZ_RUN_EXAMPLES sets the number of examples (CI: 80, about 20 s).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvcalib.checkpoint.read import open_checkpoint
 from kvcalib.checks import FAIL
 from kvcalib.errors import KvcalibError, UsageError
 
-EXAMPLES = int(os.environ.get("KVCALIB_FUZZ_RUN_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("KVCALIB_FUZZ_RUN_EXAMPLES", "80"))
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
           "model-00001-of-00001.safetensors"]
 # The names each layout may use: an unsharded model, shards (whose names the output also
@@ -90,7 +91,7 @@ def layouts(draw, names: list[str]) -> tuple[dict[str, list[str]], bool, bool]:
 
 def _build(folder: Path, model: Path, tensors: dict, placed: dict[str, list[str]],
            index: bool, old_scales: bool) -> Path:
-    folder.mkdir()
+    folder.mkdir(parents=True)
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         shutil.copyfile(model / name, folder / name)
     config = json.loads((model / "config.json").read_text())
@@ -105,28 +106,33 @@ def _build(folder: Path, model: Path, tensors: dict, placed: dict[str, list[str]
     return folder
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
+@settings(max_examples=EXAMPLES, deadline=None,
+          derandomize="KVCALIB_FUZZ_RUN_EXAMPLES" not in os.environ,  # CI: the same examples
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), kind=st.sampled_from(KINDS),
-       weights=st.sampled_from(["copy", "link", "reflink", "auto"]))
-def test_run_never_changes_an_input_and_leaves_all_or_nothing(llama, data, kind, weights):
+       weights=st.sampled_from(["copy", "link", "reflink", "auto"]), cached=st.booleans())
+def test_run_never_changes_an_input_and_leaves_all_or_nothing(llama, data, kind, weights,
+                                                              cached):
     placed, index, old_scales = data.draw(layouts(sorted(llama.tensors)))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        src = _build(root / "src", llama.folder, llama.tensors, placed, index, old_scales)
+        src = _build(tiny_files.input_folder(root, cached), llama.folder, llama.tensors,
+                     placed, index, old_scales)
+        if cached:
+            tiny_files.as_cache_links(src)
         out, overwrite = tiny_files.prepare_output(kind, root, src)
-        before_input, before_output = tiny_files.digests(src), tiny_files.snapshot(out)
+        before_input, before_output = tiny_files.input_digests(src), tiny_files.snapshot(out)
         try:
             calibrate(src, out, samples=builtin(2, 16),
                       writing=WriteOptions(weights=weights, overwrite=overwrite),
                       log=lambda _: None)
         except KvcalibError as exc:
             event(f"refused: {type(exc).__name__}")
-            assert tiny_files.digests(src) == before_input
+            assert tiny_files.input_digests(src) == before_input
             tiny_files.assert_nothing_left(out, before_output)
             return
         event(f"written: {kind}, --weights {weights}")
-        assert tiny_files.digests(src) == before_input
+        assert tiny_files.input_digests(src) == before_input
         _, checks = open_checkpoint(out)
         assert [c.message for c in checks if c.status == FAIL] == []
         tiny_files.assert_weights_where_indexed(out, src)
