@@ -1,5 +1,6 @@
 """Tiny Llama checkpoints written byte by byte, without torch or kvcalib: inputs for the
-tests of what writing and verifying do to files (collisions, links, missing tensors).
+tests of what writing and verifying do to files (collisions, links, missing tensors). The
+write properties' check (all_or_nothing) reads the output with kvcalib's static verify.
 
 The parameter names are written out here from the Llama architecture (embedding, per
 layer four attention projections, three MLP projections and two norms, final norm; tied
@@ -11,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from hypothesis import event
 
 import peers
 
@@ -182,6 +185,30 @@ def assert_nothing_left(out: Path, before_output: dict[str, str] | None) -> None
     if out.parent.is_dir():
         left = [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
         assert left == [], left
+
+
+def all_or_nothing(src: Path, out: Path, write: Callable[[], object]) -> bool:
+    """Run `write` (a command writing `out` from `src`) and check the write properties'
+    property: every input file keeps its sha256; after a kvcalib error nothing is left
+    (assert_nothing_left); after success static verify passes and every weight is where
+    the index says (assert_weights_where_indexed). Returns whether it wrote."""
+    from kvcalib.checkpoint.read import open_checkpoint
+    from kvcalib.checks import FAIL
+    from kvcalib.errors import KvcalibError
+
+    before_input, before_output = input_digests(src), snapshot(out)
+    try:
+        write()
+    except KvcalibError as exc:
+        event(f"refused: {type(exc).__name__}")
+        assert input_digests(src) == before_input
+        assert_nothing_left(out, before_output)
+        return False
+    assert input_digests(src) == before_input
+    _, checks = open_checkpoint(out)
+    assert [c.message for c in checks if c.status == FAIL] == []
+    assert_weights_where_indexed(out, src)
+    return True
 
 
 def assert_weights_where_indexed(out: Path, src: Path) -> None:
