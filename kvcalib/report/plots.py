@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the results drawn; each command imports only its own
     from kvcalib.checkpoint.inspect import Inspection
     from kvcalib.checkpoint.report_file import CalibrationReport
     from kvcalib.evaluate.result import EvalResult
+    from kvcalib.evaluate.serving import BenchResult
 
 # ----- what each result is drawn as ----- #
 
@@ -96,6 +97,36 @@ def scales_plot(result: Inspection, path: Path) -> Path:
 
 
 # ----- figure kinds ----- #
+
+
+def bench_plot(result: BenchResult, path: Path) -> Path:
+    """`bench --plot`: output tokens/s and p99 TPOT against concurrency, a line per cache,
+    the median with the range over repeats as error bars."""
+    figure = _figure(10, 4)
+    axes = figure.subplots(1, 2)
+    for ax, key, label in ((axes[0], "output_throughput", "output tokens/s"),
+                           (axes[1], "p99_tpot_ms", "p99 TPOT (ms)")):
+        for cache in result.caches:
+            if not cache.ran:
+                continue
+            x = [row["concurrency"] for row in cache.rows]
+            mid = np.array([row[key]["median"] for row in cache.rows])
+            low = mid - [row[key]["min"] for row in cache.rows]
+            high = np.array([row[key]["max"] for row in cache.rows]) - mid
+            tokens = f", {cache.capacity['tokens']:,} KV tokens" if cache.capacity else ""
+            ax.errorbar(x, mid, yerr=[low, high], marker="o", capsize=3,
+                        label=f"{cache.kv_cache_dtype}{tokens}")
+        target = result.targets.get("max_tpot_ms")
+        if key == "p99_tpot_ms" and target is not None:
+            ax.axhline(target, color="grey", linestyle="--", label="target")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.legend()
+    work = result.workload
+    figure.suptitle(f"{Path(result.checkpoint).name}: {work['input_len']}+{work['output_len']}"
+                    f" tokens, {work['num_prompts']} requests, {work['repeats']} repeats")
+    return _save(figure, path)
 
 
 def _figure(width: float, height: float):

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the results summarized; each command imports only its own
     from kvcalib.checkpoint.inspect import Inspection
     from kvcalib.checkpoint.report_file import CalibrationReport
     from kvcalib.evaluate.result import EvalResult
+    from kvcalib.evaluate.serving import BenchResult
     from kvcalib.kvcache.capacity import Estimate
     from kvcalib.verify.run import VerifyResult
 
@@ -330,3 +331,49 @@ def convert_summary(result: Conversion) -> str:
              f"{len(result.scales)} {result.strategy} scales "
              f"({value_range(values)})", f"Checkpoint: {result.output}"]
     return "\n".join(lines + [f"Note: {note}" for note in result.notes])
+
+
+# ----- bench ----- #
+
+
+def bench_summary(result: BenchResult) -> str:
+    """One row per cache and concurrency: median over the repeats (range in brackets)."""
+    work = result.workload
+    lines = [f"Checkpoint: {result.checkpoint}",
+             f"Workload: {work['num_prompts']} requests x ({work['input_len']} prompt + "
+             f"{work['output_len']} output tokens), {work['repeats']} repeats, max_model_len "
+             f"{work['max_model_len']}" + (f", KV budget {work['kv_budget']}"
+                                           if work["kv_budget"] else "")]
+    headers = ["cache", "KV tokens", "concurrency", "TTFT p50 ms", "TTFT p99 ms",
+               "TPOT p50 ms", "TPOT p99 ms", "output tok/s", "req/s", "preempted"]
+    rows = []
+    for cache in result.caches:
+        if not cache.ran:
+            lines.append(f"{cache.kv_cache_dtype}: not measured: {cache.reason}")
+            continue
+        tokens = _count(cache.capacity["tokens"]) if cache.capacity else "n/a"
+        for row in cache.rows:
+            rows.append([cache.kv_cache_dtype, tokens, str(row["concurrency"]),
+                         *(_spread(row[key]) for key in (
+                             "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+                             "output_throughput", "request_throughput", "preemptions"))])
+    if rows:
+        lines += ["", table(headers, right_aligned(headers, rows))]
+    targets = {k: v for k, v in result.targets.items() if v is not None}
+    if targets:
+        said = ", ".join(f"{k.removeprefix('max_').replace('_ms', '')} p99 <= {v:g} ms"
+                         for k, v in targets.items())
+        lines += ["", f"Useful concurrency ({said}, worst repeat):"]
+        lines += [f"  {c.kv_cache_dtype}: {c.useful_concurrency or 'none'}"
+                  for c in result.caches if c.ran]
+    lines += ["", result_line(result.exit_code)]
+    return "\n".join(lines)
+
+
+def _spread(values: dict[str, float]) -> str:
+    median = values["median"]
+    digits = ".0f" if abs(median) >= 100 or float(median).is_integer() else ".1f"
+    if values["min"] == values["max"]:
+        return f"{median:{digits}}"
+    return f"{median:{digits}} [{values['min']:{digits}}-{values['max']:{digits}}]"
+

@@ -1,0 +1,53 @@
+"""`kvcalib bench`: latency, throughput and useful concurrency of the checkpoint's FP8 KV
+cache against the model-dtype cache, measured by vLLM's `bench serve` on a local server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcalib.cli._options import (
+    JsonOut,
+    engine_log_dir,
+    folder_option,
+    grouped,
+    info,
+    keep_inputs_intact,
+    plot_option,
+)
+from kvcalib.cli._output import Output
+from kvcalib.evaluate.serving import BenchOptions
+
+LogDir = folder_option("Folder for the servers' logs and vLLM's result files (default: "
+                       "beside --json, else ./kvcalib-bench-logs/NAME).")
+Plot = plot_option("Write throughput and p99 TPOT against concurrency, a line per cache, to "
+                   "this file.")
+
+
+@grouped
+def bench(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
+    options: BenchOptions = BenchOptions(),
+    json_path: JsonOut = None,
+    plot: Plot = None,
+    log_dir: LogDir = None,
+) -> None:
+    """Serve the checkpoint once per KV cache (auto, fp8) and run vLLM's own `bench serve`
+    at each concurrency: TTFT and TPOT (p50, p99), output tokens/s, requests/s, preemptions
+    and the capacity line, median and range over repeats. With --max-ttft-ms/--max-tpot-ms:
+    the largest concurrency within them per cache; exit 1 when FP8 serves fewer than auto."""
+    from kvcalib.evaluate.serving import bench as run_bench
+    from kvcalib.report.plots import bench_plot
+    from kvcalib.report.summaries import bench_summary
+
+    out = Output(json_path)
+    logs = engine_log_dir("bench", checkpoint, log_dir, out.folder)
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--plot": plot,
+                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    result = run_bench(checkpoint, options, logs, log=info)
+    out.result(result.to_dict(), bench_summary(result))
+    if plot is not None and any(c.ran for c in result.caches):
+        info(f"Plot: {bench_plot(result, plot)}")
+    raise typer.Exit(result.exit_code)
