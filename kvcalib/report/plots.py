@@ -115,7 +115,7 @@ def bench_plot(result: BenchResult, path: Path) -> Path:
             high = np.array([row[key]["max"] for row in cache.rows]) - mid
             tokens = f", {cache.capacity['tokens']:,} KV tokens" if cache.capacity else ""
             ax.errorbar(x, mid, yerr=[low, high], marker="o", capsize=3,
-                        label=f"{cache.kv_cache_dtype}{tokens}")
+                        label=f"{cache.label}{tokens}")
         target = result.targets.get("max_tpot_ms")
         if key == "p99_tpot_ms" and target is not None:
             ax.axhline(target, color="grey", linestyle="--", label="target")

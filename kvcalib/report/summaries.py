@@ -342,18 +342,17 @@ def bench_summary(result: BenchResult) -> str:
     lines = [f"Checkpoint: {result.checkpoint}",
              f"Workload: {work['num_prompts']} requests x ({work['input_len']} prompt + "
              f"{work['output_len']} output tokens), {work['repeats']} repeats, max_model_len "
-             f"{work['max_model_len']}" + (f", KV budget {work['kv_budget']}"
-                                           if work["kv_budget"] else "")]
+             f"{work['max_model_len']}, KV budget {work['kv_budget']}"]
     headers = ["cache", "KV tokens", "concurrency", "TTFT p50 ms", "TTFT p99 ms",
                "TPOT p50 ms", "TPOT p99 ms", "output tok/s", "req/s", "preempted"]
     rows = []
     for cache in result.caches:
         if not cache.ran:
-            lines.append(f"{cache.kv_cache_dtype}: not measured: {cache.reason}")
+            lines.append(f"{cache.label}: not measured: {cache.reason}")
             continue
         tokens = _count(cache.capacity["tokens"]) if cache.capacity else "n/a"
         for row in cache.rows:
-            rows.append([cache.kv_cache_dtype, tokens, str(row["concurrency"]),
+            rows.append([cache.label, tokens, str(row["concurrency"]),
                          *(_spread(row[key]) for key in (
                              "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
                              "output_throughput", "request_throughput", "preemptions"))])
@@ -364,7 +363,7 @@ def bench_summary(result: BenchResult) -> str:
         said = ", ".join(f"{k.removeprefix('max_').replace('_ms', '')} p99 <= {v:g} ms"
                          for k, v in targets.items())
         lines += ["", f"Useful concurrency ({said}, worst repeat):"]
-        lines += [f"  {c.kv_cache_dtype}: {c.useful_concurrency or 'none'}"
+        lines += [f"  {c.label}: {c.useful_concurrency or 'none'}"
                   for c in result.caches if c.ran]
     lines += ["", result_line(result.exit_code)]
     return "\n".join(lines)
