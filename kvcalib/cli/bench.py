@@ -10,6 +10,7 @@ import typer
 
 from kvcalib.cli._options import (
     JsonOut,
+    JunitOut,
     engine_log_dir,
     folder_option,
     grouped,
@@ -31,23 +32,25 @@ def bench(
     checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
     options: BenchOptions = BenchOptions(),
     json_path: JsonOut = None,
+    junit: JunitOut = None,
     plot: Plot = None,
     log_dir: LogDir = None,
 ) -> None:
     """Serve the checkpoint once per KV cache (auto, fp8) and run vLLM's own `bench serve`
     at each concurrency: TTFT and TPOT (p50, p99), output tokens/s, requests/s, preemptions
     and the capacity line, median and range over repeats. With --max-ttft-ms/--max-tpot-ms:
-    the largest concurrency within them per cache; exit 1 when FP8 serves fewer than auto."""
+    the largest concurrency within them per cache. Exit 1 when FP8 holds no more tokens than
+    auto at the same --kv-budget, or serves fewer concurrent requests within the targets."""
     from kvcalib.evaluate.serving import bench as run_bench
     from kvcalib.report.plots import bench_plot
     from kvcalib.report.summaries import bench_summary
 
-    out = Output(json_path)
+    out = Output(json_path, junit)
     logs = engine_log_dir("bench", checkpoint, log_dir, out.folder)
-    keep_inputs_intact([checkpoint], {"--json": json_path, "--plot": plot,
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit, "--plot": plot,
                                       "--log-dir" if log_dir else "the default --log-dir": logs})
     result = run_bench(checkpoint, options, logs, log=info)
-    out.result(result.to_dict(), bench_summary(result))
+    out.result(result.to_dict(), bench_summary(result), result.checks, "kvcalib.bench")
     if plot is not None and any(c.ran for c in result.caches):
         info(f"Plot: {bench_plot(result, plot)}")
     raise typer.Exit(result.exit_code)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, exit_code
 from kvcalib.choices import OptionGroup, option
 from kvcalib.errors import UsageError
 from kvcalib.files import load_config
@@ -106,22 +107,45 @@ class BenchResult:
     vllm_python: str
 
     @property
-    def exit_code(self) -> int:
-        """2: no cache could be measured; 1: with targets, a quantized cache serves fewer
-        concurrent requests within them than `auto`; else 0."""
+    def checks(self) -> list[Check]:
+        """What a release gates on: each quantized cache against `auto` at the same budget.
+        capacity: more tokens; concurrency (with targets): at least as many concurrent
+        requests within them. A cache that could not run is a skip, none running an error."""
         ran = {c.kv_cache_dtype: c for c in self.caches if c.ran}
+        checks = [Check("bench", SKIP, f"{c.label}: not measured: {c.reason}")
+                  for c in self.caches if not c.ran]
         if not ran:
-            return 2
+            return [*checks, Check("bench", ERROR, "no KV cache could be measured")]
         auto = ran.get("auto")
-        if auto is None or not any(self.targets.values()):
-            return 0
-        base = auto.useful_concurrency or 0
-        return int(any((c.useful_concurrency or 0) < base for c in ran.values()))
+        targets = any(v is not None for v in self.targets.values())
+        for cache in (c for name, c in ran.items() if name != "auto"):
+            if auto is None:
+                checks.append(Check("capacity", SKIP, f"{cache.label}: no auto cache to "
+                                    "compare with"))
+                continue
+            tokens = [(c.capacity or {}).get("tokens") for c in (cache, auto)]
+            if None not in tokens:
+                checks.append(Check("capacity", PASS if tokens[0] > tokens[1] else FAIL,
+                                    f"{cache.label}: {tokens[0]:,} KV tokens at the budget, "
+                                    f"auto {tokens[1]:,}", value=round(tokens[0] / tokens[1], 3)))
+            if targets:
+                mine, base = cache.useful_concurrency or 0, auto.useful_concurrency or 0
+                checks.append(Check("concurrency", PASS if mine >= base else FAIL,
+                                    f"{cache.label}: {mine or 'no'} concurrent requests within "
+                                    f"the targets, auto {base or 'none'}", value=mine))
+        return checks
+
+    @property
+    def exit_code(self) -> int:
+        """1: a quantized cache holds no more tokens than `auto`, or (with targets) serves
+        fewer concurrent requests within them; 2: no cache could be measured; else 0."""
+        return exit_code(self.checks)
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "workload": self.workload,
                 "targets": self.targets, "vllm_python": self.vllm_python,
-                "caches": [vars(c) for c in self.caches], "exit_code": self.exit_code}
+                "caches": [vars(c) for c in self.caches],
+                "checks": [vars(c) for c in self.checks], "exit_code": self.exit_code}
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -346,10 +346,7 @@ def bench_summary(result: BenchResult) -> str:
     headers = ["cache", "KV tokens", "concurrency", "TTFT p50 ms", "TTFT p99 ms",
                "TPOT p50 ms", "TPOT p99 ms", "output tok/s", "req/s", "preempted"]
     rows = []
-    for cache in result.caches:
-        if not cache.ran:
-            lines.append(f"{cache.label}: not measured: {cache.reason}")
-            continue
+    for cache in (c for c in result.caches if c.ran):
         tokens = _count(cache.capacity["tokens"]) if cache.capacity else "n/a"
         for row in cache.rows:
             rows.append([cache.label, tokens, str(row["concurrency"]),
@@ -362,9 +359,9 @@ def bench_summary(result: BenchResult) -> str:
     if targets:
         said = ", ".join(f"{k.removeprefix('max_').replace('_ms', '')} p99 <= {v:g} ms"
                          for k, v in targets.items())
-        lines += ["", f"Useful concurrency ({said}, worst repeat):"]
-        lines += [f"  {c.label}: {c.useful_concurrency or 'none'}"
-                  for c in result.caches if c.ran]
+        lines += ["", f"Useful concurrency ({said}, worst repeat): " + ", ".join(
+            f"{c.label} {c.useful_concurrency or 'none'}" for c in result.caches if c.ran)]
+    lines += ["", checks_table(result.checks)]
     lines += ["", result_line(result.exit_code)]
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from xml.etree import ElementTree
 
 import pytest
 
@@ -26,7 +27,8 @@ def bench_run(smol_attn_head, tmp_path_factory) -> dict:
     result = run_kvcalib("bench", smol_attn_head, "--num-prompts", 2, "--input-len", 16,
                          "--output-len", 4, "--concurrency", "1,2", "--repeats", 1,
                          "--max-model-len", 256, "--max-tpot-ms", 100000,
-                         "--json", out / "bench.json", "--plot", out / "bench.png",
+                         "--json", out / "bench.json", "--junit", out / "bench.xml",
+                         "--plot", out / "bench.png",
                          timeout=1800)
     return {"result": result, "dir": out, "report": json.loads((out / "bench.json").read_text())}
 
@@ -62,6 +64,14 @@ def test_numbers_are_vllms_own(bench_run, fp8_kv_supported):
     assert caches["auto"]["capacity"]["tokens"] == _tokens(BUDGET, 2)
     if fp8_kv_supported:
         assert caches["fp8"]["capacity"]["tokens"] == _tokens(BUDGET, 1)
+    checks = {(c["group"], c["status"]) for c in report["checks"]}
+    if fp8_kv_supported:
+        assert checks == {("capacity", "pass"), ("concurrency", "pass")}
+    else:
+        assert checks == {("bench", "skip")}
+    junit = ElementTree.parse(folder / "bench.xml").getroot()
+    assert len(junit.findall(".//testcase")) == len(report["checks"])
+    assert not junit.findall(".//failure")
     assert (folder / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "Result: PASS" in bench_run["result"].stdout
 

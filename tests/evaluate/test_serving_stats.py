@@ -38,3 +38,16 @@ def test_exit_code_gates_on_fp8_serving_fewer_than_auto():
     assert _result(4, None).exit_code == 1
     assert _result(8, 4, targets=False).exit_code == 0
     assert BenchResult("ckpt", {}, {}, [CacheRun("fp8", False, "no AVX-512")], "p").exit_code == 2
+
+
+def test_capacity_gate_compares_tokens_at_the_same_budget():
+    def result(fp8_tokens: int) -> BenchResult:
+        caches = [CacheRun("auto", True, served_as="bfloat16", capacity={"tokens": 46592}),
+                  CacheRun("fp8", True, capacity={"tokens": fp8_tokens})]
+        return BenchResult("ckpt", {}, {}, caches, "python")
+
+    doubled = result(93184)
+    assert doubled.exit_code == 0
+    assert [(c.group, c.status, c.value) for c in doubled.checks] == [("capacity", "pass", 2.0)]
+    assert result(46592).exit_code == 1  # vLLM stored the fp8 cache in 16 bits
+    assert doubled.caches[0].label == "auto (bfloat16)" and doubled.caches[1].label == "fp8"
