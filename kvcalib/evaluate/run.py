@@ -188,6 +188,8 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
     held_out, sim_options = options.held_out, options.simulation
     reference = separate.find_reference(opened, sim_options.reference, notes)
     model, tokenizer = load_model(opened, sim_options.dtype)
+    ref_model = (None if reference is None else
+                 _reference_model(reference, (model, tokenizer), sim_options, notes))
     samples = held_out_samples(report, tokenizer, held_out, notes)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_list = list(batches(samples, held_out.batch_size, pad))
@@ -201,7 +203,7 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
                                                    kinds=opened.kinds, count_clipping=False)}
     passkey_sims.update({row.metrics_key: sims[row.metrics_key] for row in rows
                          if row.metrics_key and row.metrics_key != main_name})
-    steps = (len(batch_list) * (len(sims) + 4 * bool(reference))
+    steps = (len(batch_list) * (len(sims) + 4 * (ref_model is not None))
              + (1 + len(passkey_sims)) * len(trials)
              + len(sweep_batches) * (2 * len(layers) + 1))
     log(f"Evaluating {len(sims)} configurations on {len(samples.token_ids)} held-out samples "
@@ -221,9 +223,9 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
                                  options.gates.max_kl, bar.update)
             sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
         apart = None
-        if reference is not None:
-            apart = _weights_and_kv((model, tokenizer), reference, sim_options, batch_list,
-                                    (main_name, sims[main_name]), notes, bar.update)
+        if reference is not None and ref_model is not None:
+            apart = _weights_and_kv((model, ref_model), reference.folder, batch_list,
+                                    (main_name, sims[main_name]), bar.update)
     kivi_info = None
     if kivi:
         kivi_info = {"name": _kivi_name(kivi), "group": kivi.group_size,
@@ -276,30 +278,33 @@ def _configurations(opened: Checkpoint, own: dict[int, dict[str, Any]], options:
     return {**sims, **more}, rows
 
 
-def _weights_and_kv(loaded: tuple[Any, Any], reference: Checkpoint,
-                    sim_options: Simulation, batch_list: list[Any],
-                    cache: tuple[str, simulate.Simulation], notes: list[str],
-                    progress: Callable[[], None]) -> dict[str, Any] | None:
-    """Weights only, KV only and both against the unquantized model (evaluate.separate);
-    a reference that turns out to be another model is refused when the user gave it, and
-    left out with a note when the calibration report named it."""
-    model, tokenizer = loaded
+def _reference_model(reference: Checkpoint, loaded: tuple[Any, Any],
+                     sim_options: Simulation, notes: list[str]) -> Any:
+    """The unquantized model, loaded before any scoring; one that turns out to be another
+    model is refused when the user gave it, and left out with a note (None) when the
+    calibration report named it."""
     ref_model, ref_tokenizer = load_model(reference, sim_options.dtype)
-    why = separate.same_model(ref_model, ref_tokenizer, model, tokenizer)
-    if why is not None:
-        given = sim_options.reference is not None
-        what = "--reference" if given else "the calibration report's input model"
-        if given:
-            raise UsageError(f"{what} {reference.folder} is not this checkpoint's model: {why}")
-        notes.append(f"no unquantized reference: {what} {reference.folder} is not this "
-                     f"checkpoint's model ({why}); {separate.NO_REFERENCE}")
-        return None
+    why = separate.same_model(ref_model, ref_tokenizer, *loaded)
+    if why is None:
+        return ref_model
+    if sim_options.reference is not None:
+        raise UsageError(f"--reference {reference.folder} is not this checkpoint's model: {why}")
+    notes.append(f"no unquantized reference: the calibration report's input model "
+                 f"{reference.folder} is not this checkpoint's model ({why}); "
+                 f"{separate.NO_REFERENCE}")
+    return None
 
+
+def _weights_and_kv(models: tuple[Any, Any], reference: Path, batch_list: list[Any],
+                    cache: tuple[str, simulate.Simulation],
+                    progress: Callable[[], None]) -> dict[str, Any]:
+    """Weights only, KV only and both against the unquantized model (evaluate.separate)."""
+    model, ref_model = models
     cache_name, simulation = cache
-    sims, models = separate.configurations(
+    sims, runs = separate.configurations(
         model, ref_model, lambda: dataclasses.replace(simulation, clip_counts={}))
-    ref_ppl, metrics = score(ref_model, batch_list, sims, progress, models=models)
-    return separate.summarize(reference.folder, cache_name, ref_ppl, metrics)
+    ref_ppl, metrics = score(ref_model, batch_list, sims, progress, models=runs)
+    return separate.summarize(reference, cache_name, ref_ppl, metrics)
 
 
 def _kivi_name(kivi: capacity.Kivi) -> str:

@@ -172,6 +172,19 @@ def test_mismatched_reference_is_refused(w8a8, tiny_model):
     assert_error(result, 2, "is another model than smol-w8a8: hidden_size")
 
 
+def test_reference_with_another_tokenizer_is_refused(w8a8, demo_model, tmp_path):
+    """Same config and weights, one token renamed: found once both are loaded, before any
+    scoring."""
+    other = linked_copy(demo_model, tmp_path / "other", leave_out=("tokenizer.json",))
+    text = (demo_model / "tokenizer.json").read_text()
+    assert text.count('"<empty_output>"') == 2  # an added token, and in the vocabulary
+    (other / "tokenizer.json").write_text(text.replace("<empty_output>", "<no_output>"))
+    result = run_kvcalib("eval", w8a8, "--reference", other, "--num-samples", 1,
+                         "--max-seq-len", 8, "--passkey-lengths", "")
+    assert_error(result, 2, f"--reference {other} is not this checkpoint's model: its "
+                 "tokenizer's vocabulary differs")
+
+
 def test_reference_needs_quantized_weights(demo_model):
     result = run_kvcalib("eval", demo_model, "--reference", demo_model)
     assert_error(result, 2, "--reference is for weight-quantized checkpoints")
