@@ -49,7 +49,7 @@ def evaluate(
     dataset = options.held_out.dataset
     out = Output(json_path)
     logs = engine_log_dir("eval", checkpoint, None, out.folder) if options.engine.engine else None
-    keep_inputs_intact([checkpoint, dataset and dataset.source],
+    keep_inputs_intact([checkpoint, dataset and dataset.source, options.simulation.reference],
                        {"--json": json_path, "--plot": plot, "--pareto": pareto,
                         "the engine's log folder": logs})
     if logs is not None:

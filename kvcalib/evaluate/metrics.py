@@ -68,8 +68,11 @@ class _Tally:
 
 def score(model, batch_list: list[tuple[Any, Any]],
           simulations: dict[str, Simulation | None],
-          progress: Callable[[], None] = lambda: None) -> tuple[float, dict[str, Metrics]]:
-    """Reference perplexity and metrics of each simulation on the same batches."""
+          progress: Callable[[], None] = lambda: None, *,
+          models: dict[str, Any] | None = None) -> tuple[float, dict[str, Metrics]]:
+    """Reference perplexity (`model`, exact cache) and metrics of each simulation on the
+    same batches; a configuration named in `models` runs that model instead (other weights
+    against the same reference), with its simulation or, None, an exact cache."""
     import torch
 
     from kvcalib.kvcache import simulate
@@ -86,9 +89,10 @@ def score(model, batch_list: list[tuple[Any, Any]],
             ref_nll.append(-ref.gather(-1, targets).squeeze(-1)[valid])
             ref_top = ref.argmax(-1)
             for name, sim in simulations.items():
+                runs = (models or {}).get(name, model)
                 with simulate.simulate(sim):
                     out = torch.log_softmax(
-                        model(tokens, attention_mask=mask).logits[:, :-1].float(), -1)
+                        runs(tokens, attention_mask=mask).logits[:, :-1].float(), -1)
                 tally = tallies[name]
                 token_kl = (ref.exp() * (ref - out)).sum(-1)
                 tally.kl.append(token_kl[valid])

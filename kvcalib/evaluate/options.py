@@ -43,6 +43,10 @@ class Simulation(OptionGroup):
     compare: Path | None = option(None, "Another checkpoint of the same model, or a "
                                   ".safetensors file of scales, to evaluate alongside (e.g. "
                                   "calibrated with --observer minmax).")
+    reference: Path | None = option(None, "For a weight-quantized checkpoint: the unquantized "
+                                    "model it was made from (default: its calibration report's "
+                                    "input model, when that folder still matches), for the "
+                                    "weights-only, KV-only and combined rows.")
     kivi: bool = option(False, "Also simulate 2-bit KIVI and report its bytes per token.",
                         "--kivi")
     kivi_layout: capacity.Kivi = capacity.Kivi()

@@ -25,6 +25,8 @@ class EvalResult:
     engine: dict[str, Any] | None = None
     kivi: dict[str, Any] | None = None
     formats: dict[str, Any] | None = None  # --formats: rows, recommendation, top two
+    # weight-quantized: weights only, KV only, both against the unquantized model
+    separate: dict[str, Any] | None = None
     layer_scales: dict[str, Any] = field(default_factory=dict)  # layers, largest k/v scale
     checks: list[Check] = field(default_factory=list)
 

@@ -21,10 +21,12 @@ exact reference run of the same model on the same tokens:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +40,9 @@ from kvcalib.checks import FAIL, WARN, Check
 from kvcalib.data import DatasetSpec, Samples, corpus, select_samples
 from kvcalib.errors import UsageError
 from kvcalib.evaluate import formats as format_comparison
+from kvcalib.evaluate import separate
 from kvcalib.evaluate.metrics import CALIBRATED, E5M2, SCALE_ONE, batches, score, verdict
-from kvcalib.evaluate.options import EngineCheck, EvalOptions, HeldOut
+from kvcalib.evaluate.options import EngineCheck, EvalOptions, HeldOut, Simulation
 from kvcalib.evaluate.passkey import passkey_trials, run_passkey
 from kvcalib.evaluate.result import EvalResult, gate_checks
 from kvcalib.evaluate.sweep import sweep
@@ -183,7 +186,10 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
         raise UsageError(f"--kivi-group-size {kivi.group_size} must divide the head size "
                          f"{opened.geometry.head_dim}")
     held_out, sim_options = options.held_out, options.simulation
+    reference = separate.find_reference(opened, sim_options.reference, notes)
     model, tokenizer = load_model(opened, sim_options.dtype)
+    ref_model = (None if reference is None else
+                 _reference_model(reference, (model, tokenizer), sim_options, notes))
     samples = held_out_samples(report, tokenizer, held_out, notes)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_list = list(batches(samples, held_out.batch_size, pad))
@@ -197,7 +203,8 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
                                                    kinds=opened.kinds, count_clipping=False)}
     passkey_sims.update({row.metrics_key: sims[row.metrics_key] for row in rows
                          if row.metrics_key and row.metrics_key != main_name})
-    steps = (len(batch_list) * len(sims) + (1 + len(passkey_sims)) * len(trials)
+    steps = (len(batch_list) * (len(sims) + 4 * (ref_model is not None))
+             + (1 + len(passkey_sims)) * len(trials)
              + len(sweep_batches) * (2 * len(layers) + 1))
     log(f"Evaluating {len(sims)} configurations on {len(samples.token_ids)} held-out samples "
         f"({samples.num_tokens} tokens), {sim_options.dtype}, rounding {options.rounding}")
@@ -215,6 +222,10 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
             sweep_result = sweep(model, sweep_batches, sims[main_name], layers,
                                  options.gates.max_kl, bar.update)
             sweep_result["samples"] = sum(len(tokens) for tokens, _ in sweep_batches)
+        apart = None
+        if reference is not None and ref_model is not None:
+            apart = _weights_and_kv((model, ref_model), reference.folder, batch_list,
+                                    (main_name, sims[main_name]), bar.update)
     kivi_info = None
     if kivi:
         kivi_info = {"name": _kivi_name(kivi), "group": kivi.group_size,
@@ -227,7 +238,7 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
                  "rounding": options.rounding,
                  "seconds": round(time.perf_counter() - started, 1)},
         reference_ppl=ref_ppl, metrics=metrics, notes=notes, passkey=passkey_result,
-        sweep=sweep_result, kivi=kivi_info, verdict=verdict(metrics) if own else "",
+        sweep=sweep_result, kivi=kivi_info, separate=apart, verdict=verdict(metrics) if own else "",
         layer_scales=_layer_scales(opened))
     if rows:
         result.formats = format_comparison.compare(rows, result, main_name, options.gates,
@@ -265,6 +276,35 @@ def _configurations(opened: Checkpoint, own: dict[int, dict[str, Any]], options:
              ("e5m2", "scale 1.0"): E5M2}
     rows, more = format_comparison.plan(opened, own, options, known)
     return {**sims, **more}, rows
+
+
+def _reference_model(reference: Checkpoint, loaded: tuple[Any, Any],
+                     sim_options: Simulation, notes: list[str]) -> Any:
+    """The unquantized model, loaded before any scoring; one that turns out to be another
+    model is refused when the user gave it, and left out with a note (None) when the
+    calibration report named it."""
+    ref_model, ref_tokenizer = load_model(reference, sim_options.dtype)
+    why = separate.same_model(ref_model, ref_tokenizer, *loaded)
+    if why is None:
+        return ref_model
+    if sim_options.reference is not None:
+        raise UsageError(f"--reference {reference.folder} is not this checkpoint's model: {why}")
+    notes.append(f"no unquantized reference: the calibration report's input model "
+                 f"{reference.folder} is not this checkpoint's model ({why}); "
+                 f"{separate.NO_REFERENCE}")
+    return None
+
+
+def _weights_and_kv(models: tuple[Any, Any], reference: Path, batch_list: list[Any],
+                    cache: tuple[str, simulate.Simulation],
+                    progress: Callable[[], None]) -> dict[str, Any]:
+    """Weights only, KV only and both against the unquantized model (evaluate.separate)."""
+    model, ref_model = models
+    cache_name, simulation = cache
+    sims, runs = separate.configurations(
+        model, ref_model, lambda: dataclasses.replace(simulation, clip_counts={}))
+    ref_ppl, metrics = score(ref_model, batch_list, sims, progress, models=runs)
+    return separate.summarize(reference, cache_name, ref_ppl, metrics)
 
 
 def _kivi_name(kivi: capacity.Kivi) -> str:

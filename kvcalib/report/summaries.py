@@ -100,6 +100,8 @@ def eval_summary(result: EvalResult) -> str:
                      f"{b['kivi_long_context']:,.0f}")
     if result.formats:
         lines += ["", *formats_summary(result.formats, result.metrics)]
+    if result.separate:
+        lines += ["", *separate_summary(result.separate)]
     for note in result.notes:
         lines.append(f"Note: {note}")
     lines += ["", checks_table(result.checks), result_line(result.exit_code)]
@@ -117,6 +119,26 @@ def _versus(difference: dict[str, Any] | None, digits: str = "+.4f") -> str:
     noise = " noise" if difference["within_noise"] else ""
     return (f"{difference['difference']:{digits}} "
             f"{_interval(difference['low'], difference['high'], digits)}{noise}")
+
+
+def separate_summary(separate: dict[str, Any]) -> list[str]:
+    """Weights only, KV only and both against the unquantized model, with the paired
+    intervals of each row's KL and perplexity against it, then whether the errors add."""
+    ref_ppl = separate["reference_ppl"]
+    rows = []
+    for name, row in separate["rows"].items():
+        m, versus = row["metrics"], row["vs_reference"]
+        ppl = versus["ppl"] if versus else None
+        change = "-" if ppl is None else (
+            f"{_interval(ppl['low'] / ref_ppl, ppl['high'] / ref_ppl, '+.2%')}")
+        rows.append([name, f"{m.mean_kl:.5f}",
+                     _interval(*m.mean_kl_ci, ".5f") if m.mean_kl_ci else "-",
+                     f"{m.top1:.2%}", f"{m.ppl:.4f}", f"{m.ppl_change:+.2%}", change])
+    return [f"Weights and KV apart, against the unquantized model {separate['reference']} "
+            f"(16-bit cache, perplexity {ref_ppl:.4f}); FP8 cache: {separate['fp8_cache']}",
+            table(["configuration", "mean KL", "95% interval", "top-1", "PPL", "PPL change",
+                   "95% interval"], rows),
+            f"Combined vs separate: {separate['verdict']}"]
 
 
 def formats_summary(formats: dict[str, Any], metrics: dict[str, Any]) -> list[str]:

@@ -1,0 +1,168 @@
+"""Weight and KV quantization apart, then together, against the unquantized model.
+
+A weight-quantized checkpoint with FP8 KV scales has two error sources in one network,
+and eval's own reference (the checkpoint's weights with a 16-bit cache) hides the first.
+So, with the unquantized model it was made from as the reference (exact weights, 16-bit
+cache), on the same held-out tokens:
+- weights only: the checkpoint's weights (as eval loads them: decompressed to their
+  quantized values, activations quantized as their scheme says), 16-bit cache;
+- KV only: the unquantized weights with the checkpoint's KV scales (simulated cache);
+- both: the checkpoint's weights with its KV scales.
+Whether the combination's KL is more than the sum of the two separate ones is a paired
+bootstrap over the samples (kvcalib.evaluate.stats), as every comparison eval prints.
+
+The reference is `--reference`, else the calibration report's input model when that
+folder still exists, is unquantized and is the same model (architecture, parameter
+shapes, tokenizer); without one eval says so in a note and leaves the rows out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcalib.checkpoint.read import Checkpoint, open_model
+from kvcalib.errors import KvcalibError, UsageError
+from kvcalib.evaluate import stats
+from kvcalib.evaluate.metrics import Metrics, compare_to, difference
+
+REFERENCE = "reference (unquantized weights, 16-bit cache)"
+WEIGHTS = "weights only (16-bit cache)"
+KV = "KV only (unquantized weights, FP8 cache)"
+BOTH = "both (quantized weights, FP8 cache)"
+NO_REFERENCE = ("the weights-only, KV-only and combined rows need the unquantized model it "
+                "was made from: pass --reference FOLDER")
+
+
+def weight_quantized(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's weights are quantized (KV-only quantization is not)."""
+    from kvcalib.calibrate import weight_schemes
+
+    return weight_schemes.input_quantization(ckpt.folder, ckpt.config or {}) is not None
+
+
+def find_reference(ckpt: Checkpoint, given: Path | None, notes: list[str]) -> Checkpoint | None:
+    """The unquantized model to hold the checkpoint against, checked as far as its config
+    tells (the rest once loaded: same_model). `--reference` that does not fit is a usage
+    error; the report's input model that does not is a note, as is having none."""
+    if not weight_quantized(ckpt):
+        if given is not None:
+            raise UsageError(f"--reference is for weight-quantized checkpoints; {ckpt.folder} "
+                             "has unquantized weights (its own reference run is exact)")
+        return None
+    if given is not None:
+        return _checked(ckpt, Path(given), "--reference")
+    report = ckpt.report
+    if report is None:
+        notes.append(f"{ckpt.folder.name} has quantized weights and no calibration report "
+                     f"naming the model they came from; {NO_REFERENCE}")
+        return None
+    if report.weight_quantization and report.weight_quantization.quantized_by == "input":
+        notes.append(f"{ckpt.folder.name}'s weights were already quantized in its input "
+                     f"({report.model.path}), so it has no unquantized reference; "
+                     f"{NO_REFERENCE}")
+        return None
+    try:
+        found = _checked(ckpt, Path(report.model.path), "the calibration report's input model")
+    except KvcalibError as exc:
+        notes.append(f"no unquantized reference: {exc}; {NO_REFERENCE}")
+        return None
+    notes.append(f"weights and KV apart: the reference is the calibration report's input "
+                 f"model, {found.folder}")
+    return found
+
+
+def _checked(ckpt: Checkpoint, folder: Path, what: str) -> Checkpoint:
+    """The reference's config, refused when it is quantized or another architecture."""
+    from kvcalib.calibrate import weight_schemes
+
+    if not folder.is_dir():
+        raise UsageError(f"{what} {folder} is not a folder")
+    try:
+        found = open_model(folder)
+    except KvcalibError as exc:
+        raise UsageError(f"{what} {folder}: {exc}") from None
+    assert found.config is not None and ckpt.config is not None
+    if weight_schemes.input_quantization(folder, found.config) is not None:
+        raise UsageError(f"{what} {folder} has quantized weights; the reference must be the "
+                         "unquantized model")
+    keys = ("architectures", "model_type", "hidden_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "vocab_size")
+    differ = [f"{key} {found.config.get(key)!r} vs {ckpt.config.get(key)!r}" for key in keys
+              if found.config.get(key) != ckpt.config.get(key)]
+    if differ:
+        raise UsageError(f"{what} {folder} is another model than {ckpt.folder.name}: "
+                         f"{', '.join(differ)}")
+    return found
+
+
+def same_model(reference, reference_tokenizer, model, tokenizer) -> str | None:
+    """Why the loaded reference is not the checkpoint's model unquantized (parameter
+    names and shapes, tokenizer vocabulary), or None. The checkpoint's extra quantization
+    parameters (weight_scale...) are not the reference's to have."""
+    mine = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    theirs = {name: tuple(p.shape) for name, p in reference.named_parameters()}
+    missing = sorted(set(theirs) - set(mine))
+    if missing:
+        return f"the checkpoint has no parameter {missing[0]} ({len(missing)} missing)"
+    shapes = [name for name, shape in theirs.items() if mine[name] != shape]
+    if shapes:
+        name = shapes[0]
+        return (f"{len(shapes)} parameters differ in shape, e.g. {name} {list(theirs[name])} "
+                f"vs {list(mine[name])}")
+    if reference_tokenizer.get_vocab() != tokenizer.get_vocab():
+        return "its tokenizer's vocabulary differs from the checkpoint's"
+    return None
+
+
+def configurations(model, reference, fp8) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The four runs, by name: simulations (None: 16-bit cache) and the model each runs
+    (metrics.score's `models`); `fp8()` makes a fresh simulation of the checkpoint's cache
+    (each run counts its own clipping)."""
+    sims = {REFERENCE: None, WEIGHTS: None, KV: fp8(), BOTH: fp8()}
+    models = {REFERENCE: reference, WEIGHTS: model, KV: reference, BOTH: model}
+    return sims, models
+
+
+def summarize(reference: Path, cache: str, reference_ppl: float,
+              metrics: dict[str, Metrics]) -> dict[str, Any]:
+    """The rows against the reference (mean KL and perplexity with paired 95% intervals)
+    and whether the errors add up, more or less."""
+    base = metrics[REFERENCE]
+    rows = {name: {"metrics": metrics[name], "vs_reference": compare_to(base, metrics[name])}
+            for name in (WEIGHTS, KV, BOTH)}
+    found = interaction(metrics[WEIGHTS], metrics[KV], metrics[BOTH])
+    return {"reference": str(reference.resolve()), "fp8_cache": cache,
+            "reference_ppl": reference_ppl, "rows": rows,
+            "interaction": difference(found) if found else None,
+            "verdict": _verdict(metrics, found)}
+
+
+def interaction(weights: Metrics, kv: Metrics, both: Metrics) -> stats.Comparison | None:
+    """Mean KL of both minus (weights only + KV only), paired over the samples; None with
+    too few samples. All three are scored on the same tokens, so per sample the sum of
+    the separate summed KLs over the same token count is the sum of their means."""
+    if stats.too_few(len(both.kl_by_sample)):
+        return None
+    added = weights.kl_pairs().copy()
+    added[:, 0] += kv.kl_pairs()[:, 0]
+    assert np.array_equal(added[:, 1], both.kl_pairs()[:, 1])
+    return stats.paired_bootstrap(added, both.kl_pairs(), stats.ratio_of_sums)
+
+
+def _verdict(metrics: dict[str, Metrics], found: stats.Comparison | None) -> str:
+    w, kv, both = (metrics[name].mean_kl for name in (WEIGHTS, KV, BOTH))
+    numbers = f"mean KL {both:.4g} combined vs {w:.4g} + {kv:.4g} = {w + kv:.4g} separately"
+    if found is None:
+        why = stats.too_few(len(metrics[BOTH].kl_by_sample))
+        return f"{numbers}; {why} samples: use --num-samples {stats.MIN_SAMPLES} or more to tell"
+    d = found.difference
+    interval = (f"95% interval of combined minus sum {d.low:.3g} to {d.high:.3g} over "
+                f"{found.samples} samples")
+    if found.within_noise:
+        return f"the errors add up (combined = sum within noise): {numbers} ({interval})"
+    more = "more" if d.estimate > 0 else "less"
+    how = "they compound" if more == "more" else "they partly cancel"
+    return f"the combination costs {more} than the sum ({how}): {numbers} ({interval})"
