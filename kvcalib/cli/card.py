@@ -49,7 +49,13 @@ def card(
     README keeps everything outside <!-- kvcalib:begin --> ... <!-- kvcalib:end -->."""
     from kvcalib.checkpoint.report_file import REPORT_FILE, load_report
     from kvcalib.files import read_bounded, write_text
-    from kvcalib.report.card import Results, default_base_model, load_result, render_card
+    from kvcalib.report.card import (
+        Results,
+        default_base_model,
+        load_result,
+        measured_elsewhere,
+        render_card,
+    )
 
     if print_only and output is not None:
         raise UsageError("--print writes nothing; drop --output")
@@ -72,6 +78,8 @@ def card(
             existing = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise UsageError(f"{target} is not UTF-8 text") from None
+    for note in measured_elsewhere(results, checkpoint):
+        info(f"Note: {note}")
     written = render_card(report, existing, name or checkpoint.resolve().name,
                           base_model or default_base_model(report), results)
     for note in written.notes:

@@ -74,6 +74,19 @@ def load_result(path: Path, option: str) -> dict[str, Any]:
     return data
 
 
+def measured_elsewhere(results: Results, checkpoint: Path) -> list[str]:
+    """Notes for results whose "checkpoint" is another folder than the card's (a card
+    should show what was measured on its own checkpoint; the user decides)."""
+    here = Path(checkpoint).resolve()
+    notes = []
+    for option, data in (("--eval", results.eval), ("--bench", results.bench),
+                         ("--lm-eval", results.lm_eval)):
+        measured = (data or {}).get("checkpoint")
+        if isinstance(measured, str) and Path(measured).expanduser().resolve() != here:
+            notes.append(f"{option} measured {measured}, not {checkpoint}")
+    return notes
+
+
 def default_base_model(report: CalibrationReport) -> str | None:
     """The input model's hub id when `run` downloaded it from the Hub (a local folder
     names no base model)."""
@@ -92,8 +105,9 @@ def render_card(report: CalibrationReport, existing: str, name: str,
     if base_model:
         metadata.update(base_model=base_model, base_model_relation="quantized")
     else:
-        notes.append(f"no base_model in the front matter: the input model {report.model.source}"
-                     " is not a hub id; pass --base-model ORG/NAME")
+        notes.append(f"no --base-model, and the input model {report.model.source} is not a "
+                     "hub id: the front matter keeps the base_model it had (a new card has "
+                     "none); pass --base-model ORG/NAME")
     block = "\n".join([BEGIN, *_body(report, name, base_model, results, notes), END])
     return Card(_merge(existing, block, metadata), notes)
 
@@ -142,16 +156,16 @@ def _body(report: CalibrationReport, name: str, base_model: str | None, results:
           notes: list[str]) -> list[str]:
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else (
         f"`{report.model.source}`")
-    weights = ("the weights are the base model's, unchanged"
-               if report.weight_quantization is None else
-               f"the weights quantized by {report.weight_quantization.quantized_by}"
-               + (f" ({report.weight_quantization.preset})"
-                  if report.weight_quantization.preset else ""))
+    quantized = report.weight_quantization
+    weights = ("the input model's weights, unchanged" if quantized is None else
+               f"the input model's quantized weights ({quantized.format}), unchanged"
+               if quantized.quantized_by == "input" else
+               f"weights quantized in the same pass ({quantized.preset})")
     lines = [f"# {name}", "",
              f"{base} with calibrated FP8 (E4M3) KV-cache scales: one k_scale and v_scale per "
              f"{'KV head' if report.scheme.strategy == 'attn_head' else 'attention layer'}, "
              f"which vLLM loads when it stores the KV cache in FP8; {weights}. "
-             f"Calibrated and measured with kvcalib {report.kvcalib_version}.", "",
+             f"Calibrated with kvcalib {report.kvcalib_version}.", "",
              *_serving(name, results.eval, notes), "", *_provenance(report)]
     for title, data, render in (("Accuracy (`kvcalib eval`)", results.eval, _eval),
                                 ("Serving (`kvcalib bench`)", results.bench, _bench),

@@ -92,5 +92,5 @@ def test_readme_map_names_every_package_and_docs_every_command():
     packages = sorted(path.parent.name for path in (ROOT / "kvcalib").glob("*/__init__.py"))
     missing = [name for name in packages if f"{name}/" not in layout]
     assert not missing, f"README layout lacks {missing}"
-    commands = ["run", "verify", "eval", "estimate", "inspect", "convert", "demo"]
+    commands = ["run", "verify", "eval", "estimate", "inspect", "convert", "card", "demo"]
     assert [c for c in commands if not (ROOT / "docs" / f"{c}.md").is_file()] == []
