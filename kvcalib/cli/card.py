@@ -65,26 +65,28 @@ def card(
     if report is None:
         raise UsageError(f"{checkpoint} has no {REPORT_FILE}: `kvcalib card` describes a "
                          "checkpoint that `kvcalib run` wrote")
-    target = output or check_output_file(checkpoint / "README.md", "the README")
+    target = None if print_only else output or check_output_file(checkpoint / "README.md",
+                                                                  "the README")
     sources = {"--eval": eval_json, "--bench": bench_json, "--lm-eval": lm_eval_json}
     keep_inputs_intact([checkpoint / REPORT_FILE, checkpoint / "config.json",
-                        *sources.values()], {"--output": None if print_only else target})
+                        *sources.values()], {"--output": target})
     results = Results(*(load_result(path, option) if path else None
                         for option, path in sources.items()))
     existing = ""
-    if target.exists():
-        raw = read_bounded(target.parent, target.name, what="README")
+    readme = target or checkpoint / "README.md"  # --print: the card it would write
+    if readme.exists():
+        raw = read_bounded(readme.parent, readme.name, what="README")
         try:
             existing = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise UsageError(f"{target} is not UTF-8 text") from None
+            raise UsageError(f"{readme} is not UTF-8 text") from None
     for note in measured_elsewhere(results, checkpoint):
         info(f"Note: {note}")
     written = render_card(report, existing, name or checkpoint.resolve().name,
                           base_model or default_base_model(report), results)
     for note in written.notes:
         info(f"Note: {note}")
-    if print_only:
+    if target is None:
         typer.echo(written.text, nl=False)
         return
     write_text(target, written.text)  # a new file renamed into place: a hard link is not

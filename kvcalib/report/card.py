@@ -217,9 +217,10 @@ def _provenance(report: CalibrationReport) -> list[str]:
     if report.distributed is not None and report.distributed.world_size > 1:
         rows.append(["ranks", str(report.distributed.world_size)])
     if report.convergence is not None:
-        flagged = len(report.convergence.flagged)
-        rows.append(["convergence", f"{flagged} scale(s) still growing in the last half of the "
-                     "samples" if flagged else "every scale settled in the first half of the "
+        flagged, grew = len(report.convergence.flagged), report.convergence.late_growth_threshold
+        rows.append(["convergence", f"{flagged} layer scale(s) grew by more than {grew:.0%} in "
+                     "the last half of the samples (more samples may raise them)" if flagged
+                     else f"no scale grew by more than {grew:.0%} in the last half of the "
                      "samples"])
     rows += [["kvcalib", f"{report.kvcalib_version}, {report.created}"],
              ["versions", ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items()))]]

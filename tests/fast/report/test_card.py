@@ -83,6 +83,7 @@ def test_front_matter_and_provenance_read_back(ckpt):
 
 
 def test_eval_table_command_and_skip_layers(ckpt, tmp_path):
+    folder_mtime = ckpt.stat().st_mtime_ns
     text = card(ckpt, "--eval", eval_json(tmp_path), "--name", "org/smol-fp8", "--print")
     assert "vllm serve org/smol-fp8 --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 3 7\n" \
         in text
@@ -91,7 +92,7 @@ def test_eval_table_command_and_skip_layers(ckpt, tmp_path):
             "+0.71% | 0.000% | 0.010% | - |") in text
     assert "| gate | pass | mean KL 0.01 <= 0.02 |" in text
     assert "Produced by: `kvcalib eval ckpt --sweep --max-kl 0.01 --json e.json`" in text
-    assert not (ckpt / "README.md").exists()  # --print writes nothing
+    assert ckpt.stat().st_mtime_ns == folder_mtime  # --print writes nothing, not even a probe
 
 
 def test_generic_results(ckpt, tmp_path):
