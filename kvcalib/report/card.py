@@ -183,16 +183,18 @@ def _serving(name: str, evaluation: dict[str, Any] | None, notes: list[str]) -> 
     rec = ((evaluation or {}).get("sweep") or {}).get("recommendation")
     if rec and rec.get("skip_layers"):
         command += " --kv-cache-dtype-skip-layers " + " ".join(map(str, rec["skip_layers"]))
-        said.append(f"The skip layers keep those layers' cache in the model dtype: "
-                    f"`kvcalib eval --sweep` found them the most sensitive "
-                    f"({skip_set_line(rec)}).")
+        said += [f"The skip layers keep those layers' cache in the model dtype: "
+                 f"`kvcalib eval --sweep` found them the most sensitive "
+                 f"({skip_set_line(rec)}).", ""]
     elif rec is None and evaluation is not None:
         notes.append("the eval JSON has no skip-layer recommendation (eval --sweep --max-kl); "
                      "the serving command keeps every layer in FP8")
     return ["## Serving", "", "```bash", command, "```", "", *said,
-            "vLLM reads the scales from the checkpoint; without `--kv-cache-dtype fp8` it "
-            "keeps the cache in the model dtype and ignores them. On CPU, an FP8 cache needs "
-            "x86 with AVX-512 or AMX."]
+            "vLLM reads the scales from the checkpoint. Its config declares the FP8 KV "
+            "scheme, so vLLM 0.32 stores the cache in FP8 even with the default "
+            "`--kv-cache-dtype auto`; `fp8` says so explicitly, and `--kv-cache-dtype "
+            "bfloat16` keeps the cache in the model dtype (the scales unused). On CPU, an FP8 "
+            "cache needs x86 with AVX-512 or AMX."]
 
 
 def _provenance(report: CalibrationReport) -> list[str]:
@@ -225,7 +227,7 @@ def _provenance(report: CalibrationReport) -> list[str]:
     rows += [["kvcalib", f"{report.kvcalib_version}, {report.created}"],
              ["versions", ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items()))]]
     return ["## Calibration", "", f"From `{REPORT_FILE}`, which holds every scale and the "
-            "absmax behind it.", "", markdown_table(["", ""], rows)]
+            "absmax behind it.", "", markdown_table(["field", "value"], rows)]
 
 
 def _scale_ranges(report: CalibrationReport) -> str:
@@ -283,6 +285,12 @@ def _bench(data: dict[str, Any]) -> list[str]:
         raise UsageError(f"--bench: not a `kvcalib bench --json` result ({type(exc).__name__}: "
                          f"{exc})") from None
     lines += [f"- {c.kv_cache_dtype}: not measured: {c.reason}" for c in caches if not c.ran]
+    tokens = {c.kv_cache_dtype: (c.capacity or {}).get("tokens") for c in caches if c.ran}
+    if tokens.get("auto") is not None and tokens.get("auto") == tokens.get("fp8"):
+        lines += ["", "`auto` and `fp8` hold the same number of KV tokens: vLLM resolved "
+                  "`auto` to the FP8 cache the checkpoint's config declares, so both measured "
+                  "FP8. A model-dtype baseline needs `kvcalib bench --kv-cache-dtypes "
+                  "bfloat16,fp8`."]
     useful = [f"{c.kv_cache_dtype} {c.useful_concurrency}" for c in caches
               if c.ran and c.useful_concurrency is not None]
     if useful:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from conftest import assert_error, run_kvcalib
+from conftest import ROOT, assert_error, run_kvcalib
 from tiny_files import CONFIG, valid_report
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -93,6 +93,22 @@ def test_eval_table_command_and_skip_layers(ckpt, tmp_path):
     assert "| gate | pass | mean KL 0.01 <= 0.02 |" in text
     assert "Produced by: `kvcalib eval ckpt --sweep --max-kl 0.01 --json e.json`" in text
     assert ckpt.stat().st_mtime_ns == folder_mtime  # --print writes nothing, not even a probe
+
+
+def test_bench_table_and_a_resolved_auto(ckpt, tmp_path):
+    """The first measured bench JSON (written before "command" was recorded); then the same
+    with both caches at one capacity, as when vLLM resolves `auto` to the checkpoint's FP8."""
+    measured = ROOT / "docs" / "measured" / "bench-smollm2-cpu-2026-12-06.json"
+    data = json.loads(measured.read_text())
+    auto = data["caches"][0]["rows"][0]["p50_ttft_ms"]
+    text = card(ckpt, "--bench", measured, "--print")
+    assert f"| auto | {data['caches'][0]['capacity']['tokens']:,} | 1 | {auto['median']:.1f} " \
+           f"[{auto['min']:.1f}-{auto['max']:.1f}] |" in text
+    assert "not recorded" in text and "hold the same number of KV tokens" not in text
+    data["caches"][1]["capacity"]["tokens"] = data["caches"][0]["capacity"]["tokens"]
+    same = tmp_path / "bench.json"
+    same.write_text(json.dumps(data))
+    assert "hold the same number of KV tokens" in card(ckpt, "--bench", same, "--print")
 
 
 def test_generic_results(ckpt, tmp_path):
