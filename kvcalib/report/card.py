@@ -265,7 +265,8 @@ def _eval(data: dict[str, Any]) -> list[str]:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--eval: not a `kvcalib eval --json` result ({type(exc).__name__}: "
                          f"{exc})") from None
-    lines += ["", *(line for line in extra if line)]
+    for line in extra:  # paragraphs of their own
+        lines += ["", line] if line else []
     if checks:
         lines += ["", markdown_table(["check", "status", "detail"], checks)]
     return lines
