@@ -64,14 +64,19 @@ def open_file(folder: Path, name: str) -> BinaryIO:
     return os.fdopen(fd, "rb", buffering=0)
 
 
-def read_json(folder: Path, name: str, what: str = "JSON") -> Any:
-    """A JSON file of a checkpoint, bounded in size and depth."""
+def read_bounded(folder: Path, name: str, what: str) -> bytes:
+    """A small file of a checkpoint (JSON, a README), read whole up to MAX_JSON_BYTES."""
     with open_file(folder, name) as f:
         raw = f.read(MAX_JSON_BYTES + 1)
     if len(raw) > MAX_JSON_BYTES:
         raise CheckpointError(f"{name} is larger than {MAX_JSON_BYTES // 2**20} MiB: not a "
                               f"{what}")
-    return parse_json(raw, name)
+    return raw
+
+
+def read_json(folder: Path, name: str, what: str = "JSON") -> Any:
+    """A JSON file of a checkpoint, bounded in size and depth."""
+    return parse_json(read_bounded(folder, name, what), name)
 
 
 def parse_json(raw: bytes, name: str) -> Any:

@@ -221,3 +221,24 @@ def assert_weights_where_indexed(out: Path, src: Path) -> None:
     for name, raw in stored.items():
         if not name.endswith(("k_scale", "v_scale", "q_scale")):
             assert indexed[name] == raw, name
+
+
+def valid_report(layers: int = LAYERS) -> dict:
+    """A calibration report as `kvcalib run` writes it (tests/calibrate/test_run_smollm2.py
+    checks that a real one validates), with `layers` attention layers."""
+    records = [{"layer": i, "module": f"model.layers.{i}.self_attn",
+                **{f"{k}_{what}": [0.02, 0.03] for k in "kv" for what in ("scale", "absmax")}}
+               for i in range(layers)]
+    return {
+        "schema_version": 1, "kvcalib_version": "0.1.0", "created": "2026-12-02T00:00:00+00:00",
+        "model": {"source": "m", "path": "/m", "architecture": "LlamaForCausalLM",
+                  "model_type": "llama"},
+        "scheme": {"num_bits": 8, "type": "float", "format": "float8_e4m3fn", "fp8_max": 448.0,
+                   "strategy": "attn_head", "q_scale": False, "observer": "static_minmax"},
+        "dataset": {"source": "builtin", "config": None, "split": None, "text_column": "text",
+                    "num_rows": 208, "seed": 0, "token_ids_sha256": "0" * 64,
+                    "rows_used": [1, 2]},
+        "samples": {"requested": 2, "used": 2, "max_seq_len": 128, "num_tokens": 256, "seed": 0},
+        "pipeline": {"requested": "auto", "used": "basic", "reason": "fits"},
+        "compute": {"device": "cpu", "dtype": "float32", "checkpoint_dtype": "bfloat16"},
+        "versions": {"python": "3.11.7"}, "timings_s": {"load": 1.0}, "layers": records}

@@ -3,6 +3,8 @@
 - the result: its table on standard output; as JSON to --json FILE, or alone on standard
   output with --json -; as JUnit XML to --junit FILE, or alone on standard output with
   --junit -. Files are replaced whole.
+- every JSON result records the command line that produced it under "command" (the model
+  card prints it under each table).
 - errors: one `Error:` line on standard error (never a traceback), the exit code of
   kvcalib.errors' table, and with --json - a JSON object {"error", "exit_code"} on
   standard output, so that a pipeline reading it always gets JSON.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,6 +45,7 @@ class Output:
     def result(self, payload: dict[str, Any], text: str, checks: list[Check] | None = None,
                suite: str = "") -> None:
         """The table on standard output, unless JSON or JUnit goes there instead."""
+        payload = {"command": command_line(), **payload}
         if checks is not None and self.junit is not None:
             from kvcalib.report.tables import junit_xml
 
@@ -56,6 +60,11 @@ class Output:
         if self.json_path is not None:
             write_json(self.json_path, payload)
         typer.echo(text)
+
+
+def command_line() -> str:
+    """This kvcalib command as a shell would take it back."""
+    return shlex.join(["kvcalib", *sys.argv[1:]])
 
 
 def fail(code: int, message: str) -> NoReturn:

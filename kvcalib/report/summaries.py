@@ -14,8 +14,9 @@ if TYPE_CHECKING:  # the results summarized; each command imports only its own
     from kvcalib.checkpoint.convert import Conversion
     from kvcalib.checkpoint.inspect import Inspection
     from kvcalib.checkpoint.report_file import CalibrationReport
+    from kvcalib.evaluate.metrics import Metrics
     from kvcalib.evaluate.result import EvalResult
-    from kvcalib.evaluate.serving import BenchResult
+    from kvcalib.evaluate.serving import BenchResult, CacheRun
     from kvcalib.kvcache.capacity import Estimate
     from kvcalib.verify.run import VerifyResult
 
@@ -57,23 +58,11 @@ def eval_summary(result: EvalResult) -> str:
              f"<= {s['max_seq_len']} each), {s['excluded_calibration_rows']} calibration rows "
              f"excluded; {s['dtype']}, rounding {s['rounding']}; {s['seconds']}s",
              f"Reference perplexity: {result.reference_ppl:.4f}", ""]
-    rows = []
-    for name, m in result.metrics.items():
-        clipped = [f"{m.clipped[k]:.3%}" if k in m.clipped else "-" for k in ("k", "v", "q")]
-        interval = f"{m.mean_kl_ci[0]:.5f}-{m.mean_kl_ci[1]:.5f}" if m.mean_kl_ci else "-"
-        rows.append([name, f"{m.mean_kl:.5f}", interval, f"{m.p99_kl:.4f}", f"{m.top1:.2%}",
-                     f"{m.ppl:.4f}", f"{m.ppl_change:+.2%}", *clipped])
-    lines.append(table(["configuration", "mean KL", "95% interval", "p99 KL", "top-1", "PPL",
-                        "PPL change", "clipped K", "clipped V", "clipped Q"], rows))
+    lines.append(table(METRICS_HEADERS, metrics_rows(result.metrics)))
     if result.verdict:
         lines.append(f"Verdict: {result.verdict}")
     if result.passkey:
-        trials = result.passkey["reference"]["trials"]
-        lengths = sorted({t["length"] for t in trials})
-        scores = ", ".join(f"{name} {sum(t['correct'] for t in r['trials'])}/{len(r['trials'])}"
-                           for name, r in result.passkey.items())
-        span = f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]}..{lengths[-1]}"
-        lines.append(f"Passkey retrieval ({len(trials)} trials of {span} tokens): {scores}")
+        lines.append(passkey_line(result.passkey))
     if result.sweep:
         top = sorted(result.sweep["layers"], key=lambda e: -e["only_kl"])[:5]
         lines.append(f"Per-layer sensitivity (sweep samples: {result.sweep['samples']}; all layers "
@@ -90,9 +79,7 @@ def eval_summary(result: EvalResult) -> str:
                          + (f": {index_ranges(noise)}; these are never recommended"
                             if noise else ""))
         if "recommendation" in result.sweep:
-            rec = result.sweep["recommendation"]
-            lines.append(f"Skip set for mean KL <= {rec['max_kl']}: {rec['flag']} "
-                         f"(KL {rec['kl']:.5f}{'' if rec['met'] else ', budget not met'})")
+            lines.append(skip_set_line(result.sweep["recommendation"]))
     if result.kivi and result.kivi.get("bytes_per_token"):
         b = result.kivi["bytes_per_token"]
         lines.append(f"KIVI 2-bit bytes per token at {b['tokens']} tokens: {b['kivi']:,.0f} "
@@ -106,6 +93,37 @@ def eval_summary(result: EvalResult) -> str:
         lines.append(f"Note: {note}")
     lines += ["", checks_table(result.checks), result_line(result.exit_code)]
     return "\n".join(lines)
+
+
+METRICS_HEADERS = ["configuration", "mean KL", "95% interval", "p99 KL", "top-1", "PPL",
+                   "PPL change", "clipped K", "clipped V", "clipped Q"]
+
+
+def metrics_rows(metrics: dict[str, Metrics]) -> list[list[str]]:
+    """One row per configuration, under METRICS_HEADERS (eval's table, and the model card's)."""
+    rows = []
+    for name, m in metrics.items():
+        clipped = [f"{m.clipped[k]:.3%}" if k in m.clipped else "-" for k in ("k", "v", "q")]
+        interval = f"{m.mean_kl_ci[0]:.5f}-{m.mean_kl_ci[1]:.5f}" if m.mean_kl_ci else "-"
+        rows.append([name, f"{m.mean_kl:.5f}", interval, f"{m.p99_kl:.4f}", f"{m.top1:.2%}",
+                     f"{m.ppl:.4f}", f"{m.ppl_change:+.2%}", *clipped])
+    return rows
+
+
+def passkey_line(passkey: dict[str, Any]) -> str:
+    """'Passkey retrieval (6 trials of 1024..2048 tokens): reference 6/6, ...'."""
+    trials = passkey["reference"]["trials"]
+    lengths = sorted({t["length"] for t in trials})
+    scores = ", ".join(f"{name} {sum(t['correct'] for t in r['trials'])}/{len(r['trials'])}"
+                       for name, r in passkey.items())
+    span = f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]}..{lengths[-1]}"
+    return f"Passkey retrieval ({len(trials)} trials of {span} tokens): {scores}"
+
+
+def skip_set_line(rec: dict[str, Any]) -> str:
+    """The sweep's recommendation: the layers to keep in the model dtype, and the KL then."""
+    return (f"Skip set for mean KL <= {rec['max_kl']}: {rec['flag']} "
+            f"(KL {rec['kl']:.5f}{'' if rec['met'] else ', budget not met'})")
 
 
 def _interval(low: float, high: float, digits: str = ".4f") -> str:
@@ -360,23 +378,12 @@ def convert_summary(result: Conversion) -> str:
 
 def bench_summary(result: BenchResult) -> str:
     """One row per cache and concurrency: median over the repeats (range in brackets)."""
-    work = result.workload
-    lines = [f"Checkpoint: {result.checkpoint}",
-             f"Workload: {work['num_prompts']} requests x ({work['input_len']} prompt + "
-             f"{work['output_len']} output tokens), {work['repeats']} repeats, max_model_len "
-             f"{work['max_model_len']}, KV budget {work['kv_budget']}"]
-    headers = ["cache", "KV tokens", "concurrency", "TTFT p50 ms", "TTFT p99 ms",
-               "TPOT p50 ms", "TPOT p99 ms", "output tok/s", "req/s", "preempted"]
-    rows = []
-    for cache in (c for c in result.caches if c.ran):
-        tokens = _count(cache.capacity["tokens"]) if cache.capacity else "n/a"
-        for row in cache.rows:
-            rows.append([cache.label, tokens, str(row["concurrency"]),
-                         *(_spread(row[key]) for key in (
-                             "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
-                             "output_throughput", "request_throughput", "preemptions"))])
+    lines = [f"Checkpoint: {result.checkpoint}", workload_line(result.workload)]
+    lines += [f"{cache.label}: not measured: {cache.reason}"
+              for cache in result.caches if not cache.ran]
+    rows = bench_rows(result.caches)
     if rows:
-        lines += ["", table(headers, right_aligned(headers, rows))]
+        lines += ["", table(BENCH_HEADERS, right_aligned(BENCH_HEADERS, rows))]
     targets = {k: v for k, v in result.targets.items() if v is not None}
     if targets:
         said = ", ".join(f"{k.removeprefix('max_').replace('_ms', '')} p99 <= {v:g} ms"
@@ -386,6 +393,33 @@ def bench_summary(result: BenchResult) -> str:
     lines += ["", checks_table(result.checks)]
     lines += ["", result_line(result.exit_code)]
     return "\n".join(lines)
+
+
+def workload_line(work: dict[str, Any]) -> str:
+    return (f"Workload: {work['num_prompts']} requests x ({work['input_len']} prompt + "
+            f"{work['output_len']} output tokens), {work['repeats']} repeats, max_model_len "
+            f"{work['max_model_len']}" + (f", KV budget {work['kv_budget']}"
+                                          if work["kv_budget"] else ""))
+
+
+BENCH_HEADERS = ["cache", "KV tokens", "concurrency", "TTFT p50 ms", "TTFT p99 ms",
+                 "TPOT p50 ms", "TPOT p99 ms", "output tok/s", "req/s", "preempted"]
+
+
+def bench_rows(caches: list[CacheRun]) -> list[list[str]]:
+    """One row per measured cache and concurrency, under BENCH_HEADERS (bench's table, and
+    the model card's)."""
+    rows = []
+    for cache in caches:
+        if not cache.ran:
+            continue
+        tokens = _count(cache.capacity["tokens"]) if cache.capacity else "n/a"
+        for row in cache.rows:
+            rows.append([cache.label, tokens, str(row["concurrency"]),
+                         *(_spread(row[key]) for key in (
+                             "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+                             "output_throughput", "request_throughput", "preemptions"))])
+    return rows
 
 
 def _spread(values: dict[str, float]) -> str:

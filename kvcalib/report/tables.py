@@ -22,6 +22,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
 
 
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table (model cards, docs); a '|' or line break inside a
+    cell cannot end it."""
+    def line(values: Sequence[Any]) -> str:
+        cells = (_cell(v).replace("|", "\\|").replace("\n", " ") for v in values)
+        return "| " + " | ".join(cells) + " |"
+
+    return "\n".join([line(headers), "|" + "---|" * len(headers), *map(line, rows)])
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"

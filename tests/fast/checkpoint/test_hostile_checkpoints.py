@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import run_kvcalib
-from tiny_files import complete_weights
+from tiny_files import complete_weights, valid_report
 
 MEMORY_CAP = 2 * 2**30
 TIMEOUT = 60
@@ -337,7 +337,7 @@ def test_malformed_config(case, expected, tmp_path):
 def test_malformed_report(report, expected, tmp_path):
     ckpt = checkpoint(tmp_path / "ckpt")
     if report.startswith("VALID"):
-        data = valid_report()
+        data = valid_report(LAYERS)
         if "WITHOUT" in report:
             del data["dataset"]
         else:
@@ -347,30 +347,9 @@ def test_malformed_report(report, expected, tmp_path):
     refused("inspect", ckpt, expected)  # eval: tests/evaluate/test_eval_cli.py
 
 
-def valid_report() -> dict:
-    """A calibration report as `kvcalib run` writes it (tests/calibrate/test_run_smollm2.py
-    checks that a real one validates), for the base checkpoint."""
-    layers = [{"layer": i, "module": f"model.layers.{i}.self_attn",
-               **{f"{k}_{what}": [0.02, 0.03] for k in "kv" for what in ("scale", "absmax")}}
-              for i in range(LAYERS)]
-    return {
-        "schema_version": 1, "kvcalib_version": "0.1.0", "created": "2026-12-02T00:00:00+00:00",
-        "model": {"source": "m", "path": "/m", "architecture": "LlamaForCausalLM",
-                  "model_type": "llama"},
-        "scheme": {"num_bits": 8, "type": "float", "format": "float8_e4m3fn", "fp8_max": 448.0,
-                   "strategy": "attn_head", "q_scale": False, "observer": "static_minmax"},
-        "dataset": {"source": "builtin", "config": None, "split": None, "text_column": "text",
-                    "num_rows": 208, "seed": 0, "token_ids_sha256": "0" * 64,
-                    "rows_used": [1, 2]},
-        "samples": {"requested": 2, "used": 2, "max_seq_len": 128, "num_tokens": 256, "seed": 0},
-        "pipeline": {"requested": "auto", "used": "basic", "reason": "fits"},
-        "compute": {"device": "cpu", "dtype": "float32", "checkpoint_dtype": "bfloat16"},
-        "versions": {"python": "3.11.7"}, "timings_s": {"load": 1.0}, "layers": layers}
-
-
 def test_a_valid_report_is_read(tmp_path):
     ckpt = checkpoint(tmp_path / "ckpt")
-    (ckpt / "kvcalib_report.json").write_text(json.dumps(valid_report()))
+    (ckpt / "kvcalib_report.json").write_text(json.dumps(valid_report(LAYERS)))
     code, stdout, stderr = kvcalib("inspect", ckpt, "--json", "-")
     assert code == 0, stderr
     assert json.loads(stdout)["calibration"]["dataset"]["rows_used"] == [1, 2]
