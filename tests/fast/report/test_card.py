@@ -96,19 +96,25 @@ def test_eval_table_command_and_skip_layers(ckpt, tmp_path):
 
 
 def test_bench_table_and_a_resolved_auto(ckpt, tmp_path):
-    """The first measured bench JSON (written before "command" was recorded); then the same
-    with both caches at one capacity, as when vLLM resolves `auto` to the checkpoint's FP8."""
-    measured = ROOT / "docs" / "measured" / "bench-smollm2-cpu-2026-12-06.json"
+    """A measured bench JSON; the same without its "command" (older kvcalib); then with both
+    caches at one capacity, as when vLLM resolved `auto` to the checkpoint's FP8."""
+    measured = ROOT / "docs" / "measured" / "card-smollm2" / "bench.json"
     data = json.loads(measured.read_text())
-    auto = data["caches"][0]["rows"][0]["p50_ttft_ms"]
+    first = data["caches"][0]
+    tpot = first["rows"][0]["p50_tpot_ms"]  # under 100 ms: one decimal
     text = card(ckpt, "--bench", measured, "--print")
-    assert f"| auto | {data['caches'][0]['capacity']['tokens']:,} | 1 | {auto['median']:.1f} " \
-           f"[{auto['min']:.1f}-{auto['max']:.1f}] |" in text
-    assert "not recorded" in text and "hold the same number of KV tokens" not in text
-    data["caches"][1]["capacity"]["tokens"] = data["caches"][0]["capacity"]["tokens"]
+    line = next(line for line in text.splitlines()
+                if line.startswith(f"| {first['kv_cache_dtype']} | "
+                                   f"{first['capacity']['tokens']:,} | 1 | "))
+    assert f"| {tpot['median']:.1f} [{tpot['min']:.1f}-{tpot['max']:.1f}] |" in line
+    assert f"`{data['command']}`" in text
+    assert "hold the same number of KV tokens" not in text
+    del data["command"]
+    data["caches"][1]["capacity"]["tokens"] = first["capacity"]["tokens"]
     same = tmp_path / "bench.json"
     same.write_text(json.dumps(data))
-    assert "hold the same number of KV tokens" in card(ckpt, "--bench", same, "--print")
+    text = card(ckpt, "--bench", same, "--print")
+    assert "not recorded" in text and "hold the same number of KV tokens" in text
 
 
 def test_generic_results(ckpt, tmp_path):
