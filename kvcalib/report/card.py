@@ -285,14 +285,8 @@ def _bench(data: dict[str, Any]) -> list[str]:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--bench: not a `kvcalib bench --json` result ({type(exc).__name__}: "
                          f"{exc})") from None
-    lines += [f"- {c.kv_cache_dtype}: not measured: {c.reason}" for c in caches if not c.ran]
-    tokens = {c.kv_cache_dtype: (c.capacity or {}).get("tokens") for c in caches if c.ran}
-    if tokens.get("auto") is not None and tokens.get("auto") == tokens.get("fp8"):
-        lines += ["", "`auto` and `fp8` hold the same number of KV tokens: vLLM resolved "
-                  "`auto` to the FP8 cache the checkpoint's config declares, so both measured "
-                  "FP8. A model-dtype baseline needs `kvcalib bench --kv-cache-dtypes "
-                  "bfloat16,fp8`."]
-    useful = [f"{c.kv_cache_dtype} {c.useful_concurrency}" for c in caches
+    lines += [f"- {c.label}: not measured: {c.reason}" for c in caches if not c.ran]
+    useful = [f"{c.label} {c.useful_concurrency}" for c in caches
               if c.ran and c.useful_concurrency is not None]
     if useful:
         lines += ["", f"Useful concurrency (targets {data.get('targets')}): {', '.join(useful)}"]
