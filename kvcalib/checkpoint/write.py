@@ -203,8 +203,9 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
     Weight files without KV scales and every other file are symbolic links to the input's
     (read only, never written through); a weight file with scales is rewritten without
     them, the index without their entries, and config.json without the kv_cache_scheme
-    (and without a quantization_config that declared nothing else). Returns the scale
-    tensors left out.
+    (and without a quantization_config that declared nothing else); the calibration report
+    and recipe, which describe the scales, are left out. Returns the scale tensors left
+    out.
     """
     dropped: list[str] = []
     weight_map: dict[str, str] = {}
@@ -219,7 +220,8 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
         dropped += sorted(scales)
         weight_map.update({t: name for t in tensors if t not in scales})
     for item in folder.iterdir():
-        if not (out / item.name).exists() and item.name not in (INDEX_NAME, "config.json"):
+        if not (out / item.name).exists() and item.name not in (INDEX_NAME, "config.json",
+                                                                REPORT_FILE, RECIPE_FILE):
             (out / item.name).symlink_to(item.resolve())
     if (folder / INDEX_NAME).exists():
         index = json.loads((folder / INDEX_NAME).read_text())

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -233,12 +234,28 @@ class LmEvalResult:
                 "samples": [{"config": c.name, **s} for c in self.configs for s in c.samples]}
 
 
+def wilson(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval of a proportion: unlike a bootstrap of 0/1 scores, it does
+    not shrink to a point at 0% or 100% (50 of 50 right: 92.9% to 100%)."""
+    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def _accuracy(scores: list[float]) -> dict[str, Any]:
+    """Mean score with its 95% interval: Wilson's for right/wrong scores, a bootstrap for
+    partial ones (tasks that score a fraction of several needles)."""
     mean = float(np.mean(scores))
     if too_few(len(scores)):
         return {"n": len(scores), "accuracy": mean, "low": None, "high": None}
-    found = bootstrap(np.array(scores))
-    return {"n": len(scores), "accuracy": mean, "low": found.low, "high": found.high}
+    if set(scores) <= {0.0, 1.0}:
+        low, high = wilson(sum(scores), len(scores))
+    else:
+        found = bootstrap(np.array(scores))
+        low, high = found.low, found.high
+    return {"n": len(scores), "accuracy": mean, "low": low, "high": high}
 
 
 def compare(a: str, a_samples: list[dict[str, Any]], b: str,

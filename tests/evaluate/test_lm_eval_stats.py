@@ -19,6 +19,7 @@ from kvcalib.evaluate.lm_eval import (
     compare,
     depth_bucket,
     mcnemar,
+    wilson,
 )
 from kvcalib.evaluate.stats import MIN_SAMPLES
 
@@ -111,6 +112,14 @@ def test_table_accuracy_is_the_fraction_with_an_interval():
     result = _result([1.0] * 15 + [0.0] * 5, [1.0] * 20, [1.0] * 20)
     row = next(r for r in result.table() if r["config"] == AUTO)
     assert (row["n"], row["accuracy"]) == (20, 0.75)
-    assert row["low"] < 0.75 < row["high"]
+    assert (row["low"], row["high"]) == wilson(15, 20)
     assert result.depth_table()[0] == {"config": AUTO, "length": 1024, "depth": "0-20%",
                                        "n": 20, "accuracy": 0.75}
+
+
+def test_wilson_interval_against_published_values():
+    # Newcombe (1998), Statistics in Medicine 17:857, Table I, method 3 (Wilson's score
+    # interval without continuity correction), to the 4 decimals printed there.
+    for (k, n), published in {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605),
+                              (0, 20): (0.0, 0.1611), (1, 29): (0.0061, 0.1718)}.items():
+        assert wilson(k, n) == pytest.approx(published, abs=5e-5)
