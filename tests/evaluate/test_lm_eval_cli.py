@@ -21,7 +21,8 @@ def _tensors(folder) -> dict[str, bytes]:
     out = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, "pt") as f:
-            out.update({name: f.get_tensor(name).float().numpy().tobytes() for name in f})
+            names = list(f.keys())  # a safe_open handle is not iterable
+            out.update({name: f.get_tensor(name).float().numpy().tobytes() for name in names})
     return out
 
 
