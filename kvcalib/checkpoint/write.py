@@ -194,3 +194,47 @@ def copy_side_files(out: Path, model_dir: Path, leave_out: tuple[str, ...] = ())
             continue
         copy = shutil.copytree if item.is_dir() else shutil.copyfile
         copy(item, out / item.name)
+
+
+def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
+    """`folder` with no KV scales, into the empty folder `out`, for vLLM to serve an FP8
+    cache at scale 1.0 with the same weights (what it does when a checkpoint has none).
+
+    Weight files without KV scales and every other file are symbolic links to the input's
+    (read only, never written through); a weight file with scales is rewritten without
+    them, the index without their entries, and config.json without the kv_cache_scheme
+    (and without a quantization_config that declared nothing else); the calibration report
+    and recipe, which describe the scales, are left out. Returns the scale tensors left
+    out.
+    """
+    dropped: list[str] = []
+    weight_map: dict[str, str] = {}
+    for name in weight_files(folder):
+        tensors = file_tensors(folder, name)
+        found, twice = layouts.find_scales(tensors)
+        scales = {s.info.name for s in found} | set(twice)
+        if scales:
+            copy_tensors(folder, name, out / name, drop=scales)
+        else:
+            (out / name).symlink_to((folder / name).resolve())
+        dropped += sorted(scales)
+        weight_map.update({t: name for t in tensors if t not in scales})
+    for item in folder.iterdir():
+        if not (out / item.name).exists() and item.name not in (INDEX_NAME, "config.json",
+                                                                REPORT_FILE, RECIPE_FILE):
+            (out / item.name).symlink_to(item.resolve())
+    if (folder / INDEX_NAME).exists():
+        index = json.loads((folder / INDEX_NAME).read_text())
+        index["weight_map"] = weight_map
+        write_new(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict) and "kv_cache_scheme" in quant:
+        quant = {k: v for k, v in quant.items() if k != "kv_cache_scheme"}
+        if quant.get("quant_method") == "compressed-tensors" and not quant.get("config_groups"):
+            quant = None
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if quant is not None:
+            config["quantization_config"] = quant
+    write_new(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    return dropped

@@ -14,7 +14,18 @@ from typing import NoReturn
 
 import typer
 
-from kvcalib.cli import bench, card, convert, demo, estimate, evaluate, inspect, run, verify
+from kvcalib.cli import (
+    bench,
+    card,
+    convert,
+    demo,
+    estimate,
+    evaluate,
+    inspect,
+    lm_eval,
+    run,
+    verify,
+)
 from kvcalib.cli._output import fail
 from kvcalib.errors import INTERRUPTED, KvcalibError
 
@@ -27,7 +38,8 @@ app = typer.Typer(
 for name, command in (("run", run.run), ("verify", verify.verify), ("eval", evaluate.evaluate),
                       ("estimate", estimate.estimate), ("inspect", inspect.inspect),
                       ("convert", convert.convert), ("demo-model", demo.demo_model),
-                      ("bench", bench.bench), ("card", card.card), ("demo", demo.demo)):
+                      ("bench", bench.bench), ("lm-eval", lm_eval.lm_eval), ("card", card.card),
+                      ("demo", demo.demo)):
     app.command(name)(command)
 
 

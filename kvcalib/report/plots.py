@@ -18,6 +18,7 @@ from kvcalib.files import atomic_output_file
 if TYPE_CHECKING:  # the results drawn; each command imports only its own
     from kvcalib.checkpoint.inspect import Inspection
     from kvcalib.checkpoint.report_file import CalibrationReport
+    from kvcalib.evaluate.lm_eval import LmEvalResult
     from kvcalib.evaluate.result import EvalResult
     from kvcalib.evaluate.serving import BenchResult
 
@@ -126,6 +127,30 @@ def bench_plot(result: BenchResult, path: Path) -> Path:
     work = result.workload
     figure.suptitle(f"{Path(result.checkpoint).name}: {work['input_len']}+{work['output_len']}"
                     f" tokens, {work['num_prompts']} requests, {work['repeats']} repeats")
+    return _save(figure, path)
+
+
+def lm_eval_plot(result: LmEvalResult, path: Path) -> Path:
+    """`lm-eval --plot`: accuracy against context length, a line per configuration and
+    task, with the 95% bootstrap interval as error bars where there is one."""
+    figure = _figure(7, 4.5)
+    ax = figure.subplots()
+    rows = [r for r in result.table() if r["length"] is not None]
+    for config, task in dict.fromkeys((r["config"], r["task"]) for r in rows):
+        mine = sorted((r for r in rows if (r["config"], r["task"]) == (config, task)),
+                      key=lambda r: r["length"])
+        mid = np.array([r["accuracy"] for r in mine])
+        low = np.array([r["low"] if r["low"] is not None else r["accuracy"] for r in mine])
+        high = np.array([r["high"] if r["high"] is not None else r["accuracy"] for r in mine])
+        ax.errorbar([r["length"] for r in mine], mid, yerr=[mid - low, high - mid],
+                    marker="o", capsize=3, label=f"{config}, {task}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("accuracy")
+    ax.legend(fontsize="small")
+    ax.set_title(f"{Path(result.checkpoint).name}: lm-eval, {result.options['limit']} "
+                 "examples per task and length")
     return _save(figure, path)
 
 

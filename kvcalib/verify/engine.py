@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from kvcalib.checkpoint.report_file import Record
 from kvcalib.errors import UsageError
 from kvcalib.verify.probe.vllm_probe import ANSWERED
-from kvcalib.verify.probe_answer import load_probe_answer
+from kvcalib.verify.probe_answer import ProbeAnswer, load_probe_answer
 
 PROBE = Path(__file__).resolve().parent / "probe" / "vllm_probe.py"
 ENV_PYTHON = "KVCALIB_VLLM_PYTHON"
@@ -243,9 +244,11 @@ class ProbeRequest:
     max_tokens: int = 16
 
 
-def run_probe(python: str, ask: ProbeRequest, log_path: Path, timeout: float = 1200,
-              ) -> ProbeRun:
+def run_probe(python: str, ask: Any, log_path: Path, timeout: float = 1200,
+              script: Path = PROBE, answer: type[Record] = ProbeAnswer) -> ProbeRun:
     """Start vLLM once in the serving interpreter; save the whole log to `log_path`.
+    `script` (a probe beside PROBE) gets `ask`, a dataclass with `model` and
+    `kv_cache_dtype` (a ProbeRequest for PROBE), and answers as `answer` says.
 
     The probe runs in a session of its own, and every process of it (vLLM's EngineCore,
     workers, resource tracker) is ended when it returns, times out, or this process is
@@ -262,7 +265,7 @@ def run_probe(python: str, ask: ProbeRequest, log_path: Path, timeout: float = 1
         request_path.write_text(json.dumps(request))
         # Unbuffered, so that every line lands in the log before the probe's answer line
         # when it was printed before it.
-        process = subprocess.Popen([python, str(PROBE), str(request_path), str(result_path)],
+        process = subprocess.Popen([python, str(script), str(request_path), str(result_path)],
                                    stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
                                    start_new_session=True,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -275,7 +278,7 @@ def run_probe(python: str, ask: ProbeRequest, log_path: Path, timeout: float = 1
         answered = result_path.exists()  # counts even when shutting down took too long
         timed_out = timed_out and not answered
         if answered:
-            result = load_probe_answer(result_path.read_text())
+            result = load_probe_answer(result_path.read_text(), answer)
         elif timed_out:
             result = {"started": False,
                       "error": f"vLLM did not answer within {timeout:g} s (--timeout)"}

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import StrictBool, ValidationError
 
 from kvcalib.checkpoint.report_file import Record, describe
-from kvcalib.verify.probe.vllm_probe import SCHEMA_VERSION
+from kvcalib.verify.probe import lm_eval_probe, vllm_probe
 
 
 class ReadScale(Record):
@@ -46,16 +46,45 @@ class ProbeAnswer(Record):
     outputs: list[ProbeOutput] | None = None
 
 
-def load_probe_answer(text: str) -> dict[str, Any]:
-    """The probe's answer, validated; an answer that does not fit (another kvcalib's probe,
-    a truncated file) becomes an engine error that says so."""
+class LmEvalSample(Record):
+    """One example lm-eval scored (kvcalib/verify/probe/lm_eval_probe.py)."""
+
+    task: str
+    length: int | None
+    doc_id: int
+    prompt_hash: str
+    filter: str
+    target: Any
+    response: str | None
+    metrics: dict[str, float]
+    needle: tuple[int, int, int] | None
+
+
+class LmEvalAnswer(Record):
+    """What kvcalib/probe/lm_eval_probe.py answers from the serving environment."""
+
+    schema_version: int
+    started: StrictBool
+    error: str | None
+    lm_eval_version: str | None = None
+    vllm_version: str | None = None
+    start_seconds: float | None = None
+    samples: list[LmEvalSample]
+
+
+SCHEMAS = {ProbeAnswer: vllm_probe.SCHEMA_VERSION, LmEvalAnswer: lm_eval_probe.SCHEMA_VERSION}
+
+
+def load_probe_answer(text: str, answer: type[Record] = ProbeAnswer) -> dict[str, Any]:
+    """The probe's answer, validated as `answer`; an answer that does not fit (another
+    kvcalib's probe, a truncated file) becomes an engine error that says so."""
     try:
         data = json.loads(text)
         version = data.get("schema_version") if isinstance(data, dict) else None
-        if version != SCHEMA_VERSION:
+        if version != SCHEMAS[answer]:
             raise ValueError(f"schema version {reprlib.repr(version)}, this kvcalib reads "
-                             f"{SCHEMA_VERSION}")
-        return ProbeAnswer.model_validate(data).model_dump()
+                             f"{SCHEMAS[answer]}")
+        return answer.model_validate(data).model_dump()
     except ValidationError as exc:
         why = describe(exc)
     except ValueError as exc:  # JSONDecodeError included

@@ -1,0 +1,55 @@
+"""`kvcalib lm-eval`: task accuracy (RULER needle-in-a-haystack by default) through
+lm-evaluation-harness's vLLM backend, with the model-dtype cache, FP8 at scale 1.0 and
+FP8 with the checkpoint's scales, compared example by example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcalib.cli._options import (
+    JsonOut,
+    engine_log_dir,
+    folder_option,
+    grouped,
+    info,
+    keep_inputs_intact,
+    plot_option,
+)
+from kvcalib.cli._output import Output
+from kvcalib.evaluate.lm_eval import LmEvalOptions
+
+LogDir = folder_option("Folder for vLLM's and lm-eval's logs (default: beside --json, else "
+                       "./kvcalib-lm-eval-logs/NAME).")
+Plot = plot_option("Write accuracy against context length, a line per configuration, to "
+                   "this file.")
+
+
+@grouped
+def lm_eval(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
+    options: LmEvalOptions = LmEvalOptions(),
+    json_path: JsonOut = None,
+    plot: Plot = None,
+    log_dir: LogDir = None,
+) -> None:
+    """Score lm-eval tasks (default: RULER's offline needle-in-a-haystack tasks) through
+    vLLM once per configuration (auto, FP8 at scale 1.0, FP8 with the checkpoint's scales)
+    on the same examples: accuracy per task, context length and needle depth, McNemar's
+    exact test and a paired bootstrap interval per pair, and recovery (FP8 ÷ auto). Exit 1
+    when FP8 with the checkpoint's scales recovers less than --min-recovery."""
+    from kvcalib.evaluate.lm_eval import lm_eval as run_lm_eval
+    from kvcalib.report.plots import lm_eval_plot
+    from kvcalib.report.summaries import lm_eval_summary
+
+    out = Output(json_path)
+    logs = engine_log_dir("lm-eval", checkpoint, log_dir, out.folder)
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--plot": plot,
+                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    result = run_lm_eval(checkpoint, options, logs, log=info)
+    out.result(result.to_dict(), lm_eval_summary(result))
+    if plot is not None and result.table():
+        info(f"Plot: {lm_eval_plot(result, plot)}")
+    raise typer.Exit(result.exit_code)
