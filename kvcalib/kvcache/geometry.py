@@ -46,6 +46,12 @@ def cache_dtype(model_dtype: str | None) -> str:
     return model_dtype if model_dtype in SIXTEEN_BIT else "bfloat16"
 
 
+def served_cache_dtype(kv_cache_dtype: str, config: dict[str, Any]) -> str:
+    """The kv_cache_dtype to give vLLM so that it stores what was asked for: `auto` by the
+    model's 16-bit dtype's name (see cache_dtype), every other name as it is."""
+    return cache_dtype(geometry(config).dtype) if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
 @dataclass(frozen=True)
 class CacheShape:
     """What decides whether a KV format applies: the per-layer KV shape, the dtype vLLM

@@ -553,3 +553,16 @@ def test_cli_hub_id_offline():
     result = run_kvcalib("estimate", "some-org/some-model",
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert_error(result, 2, "is not a local folder, and the Hugging Face Hub cannot be reached")
+
+
+@pytest.mark.parametrize("asked, config, served", [
+    ("auto", LLAMA3_8B, "bfloat16"),
+    ("auto", LLAMA2_7B, "float16"),
+    ("auto", {**LLAMA3_8B, "torch_dtype": "float32"}, "bfloat16"),  # vLLM has no fp32 cache
+    ("fp8", LLAMA2_7B, "fp8"),
+    ("fp8_e5m2", LLAMA3_8B, "fp8_e5m2"),
+])
+def test_auto_is_served_by_the_model_dtypes_name(asked, config, served):
+    """bench and lm-eval name the 16-bit cache: vLLM resolves `auto` to fp8 for a checkpoint
+    with a kv_cache_scheme."""
+    assert geometry.served_cache_dtype(asked, config) == served
