@@ -11,6 +11,7 @@ import typer
 
 from kvcalib.cli._options import (
     JsonOut,
+    JunitOut,
     engine_log_dir,
     folder_option,
     grouped,
@@ -32,6 +33,7 @@ def lm_eval(
     checkpoint: Annotated[Path, typer.Argument(help="The checkpoint folder.")],
     options: LmEvalOptions = LmEvalOptions(),
     json_path: JsonOut = None,
+    junit: JunitOut = None,
     plot: Plot = None,
     log_dir: LogDir = None,
 ) -> None:
@@ -44,12 +46,12 @@ def lm_eval(
     from kvcalib.report.plots import lm_eval_plot
     from kvcalib.report.summaries import lm_eval_summary
 
-    out = Output(json_path)
+    out = Output(json_path, junit)
     logs = engine_log_dir("lm-eval", checkpoint, log_dir, out.folder)
-    keep_inputs_intact([checkpoint], {"--json": json_path, "--plot": plot,
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit, "--plot": plot,
                                       "--log-dir" if log_dir else "the default --log-dir": logs})
     result = run_lm_eval(checkpoint, options, logs, log=info)
-    out.result(result.to_dict(), lm_eval_summary(result))
+    out.result(result.to_dict(), lm_eval_summary(result), result.checks, "kvcalib.lm_eval")
     if plot is not None and result.table():
         info(f"Plot: {lm_eval_plot(result, plot)}")
     raise typer.Exit(result.exit_code)

@@ -34,6 +34,7 @@ import numpy as np
 from kvcalib.checkpoint.layouts import find_scales
 from kvcalib.checkpoint.safetensors import tensor_index
 from kvcalib.checkpoint.write import write_without_kv_scales
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, exit_code
 from kvcalib.choices import OptionGroup, option
 from kvcalib.errors import UsageError
 from kvcalib.evaluate.stats import MIN_SAMPLES, bootstrap, paired_bootstrap, too_few
@@ -201,13 +202,29 @@ class LmEvalResult:
         return [compare(a, ran[a].samples, b, ran[b].samples) for a, b in pairs]
 
     @property
+    def checks(self) -> list[Check]:
+        """What a release gates on: a configuration that could not run is a skip (an error
+        when none ran); `quality`: FP8 with the checkpoint's scales keeps at least
+        --min-recovery of auto's accuracy. Scale 1.0's recovery is reported, not gated."""
+        checks = [Check("lm-eval", SKIP, f"{c.name}: not run: {c.reason}")
+                  for c in self.configs if not c.ran]
+        if not self._ran():
+            return [*checks, Check("lm-eval", ERROR, "no configuration could be scored")]
+        gate = self.options["min_recovery"]
+        for name in (SCALE_ONE, FP8):
+            recovery = self.recovery(name)
+            if recovery is None:
+                continue
+            status = PASS if name == SCALE_ONE or recovery >= gate else FAIL
+            checks.append(Check("quality", status, f"{name}: keeps {recovery:.1%} of auto's "
+                                f"accuracy (gate {gate:.0%})", value=round(recovery, 4)))
+        return checks
+
+    @property
     def exit_code(self) -> int:
         """2: no configuration was scored; 1: FP8 with the checkpoint's scales recovers less
         than --min-recovery of auto's accuracy; else 0."""
-        if not self._ran():
-            return 2
-        recovery = self.recovery(FP8)
-        return int(recovery is not None and recovery < self.options["min_recovery"])
+        return exit_code(self.checks)
 
     def verdict(self) -> list[str]:
         """Plain sentences: recovery against the gate, and what calibration buys."""
@@ -234,7 +251,8 @@ class LmEvalResult:
                              "recovery": self.recovery(c.name)} for c in self.configs],
                 "table": self.table(), "depth": self.depth_table(),
                 "comparisons": self.comparisons(), "verdict": self.verdict(),
-                "notes": self.notes, "exit_code": self.exit_code,
+                "notes": self.notes, "checks": [vars(c) for c in self.checks],
+                "exit_code": self.exit_code,
                 "samples": [{"config": c.name, **s} for c in self.configs for s in c.samples]}
 
 

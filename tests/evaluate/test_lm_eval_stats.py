@@ -98,6 +98,8 @@ def test_recovery_and_the_gate():
     result = _result(auto, [1.0] * 10 + [0.0] * 10, [1.0] * 19 + [0.0])
     assert result.recovery(SCALE_ONE) == 0.5 and result.recovery(FP8) == 0.95
     assert result.exit_code == 0  # 95% is not below 95%
+    assert [(c.group, c.status, c.value) for c in result.checks] == [
+        ("quality", "pass", 0.5), ("quality", "pass", 0.95)]  # scale 1.0 is not gated
     assert any("scale 1.0 keeps 50.0%" in line and "calibrate" in line
                for line in result.verdict())
     assert _result(auto, auto, [1.0] * 18 + [0.0] * 2).exit_code == 1  # 90%
@@ -106,6 +108,7 @@ def test_recovery_and_the_gate():
     assert _result([0.0] * 20, auto, auto).recovery(FP8) is None  # auto found nothing
     nothing = LmEvalResult("ckpt", {"min_recovery": 0.95}, [ConfigRun(AUTO, "auto", False)], "p")
     assert nothing.exit_code == 2
+    assert [c.status for c in nothing.checks] == ["skip", "error"]
 
 
 def test_table_accuracy_is_the_fraction_with_an_interval():
