@@ -42,6 +42,7 @@ BENCH = Path(engine.__file__).resolve().parent / "probe" / "vllm_bench.py"
 METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput",
            "request_throughput")
 PREEMPTIONS = "vllm:num_preemptions_total"  # the server's Prometheus counter
+ENGINE_FAILED = "EngineCore failed to start"  # vllm/v1/engine/core.py's last word
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,9 @@ def _server(python: str, folder: Path, dtype: str, options: BenchOptions,
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + options.timeout
             while not _healthy(url):
-                if process.poll() is not None or time.monotonic() > deadline:
+                # The API server stays up when its engine dies at start: the log says so.
+                failed = ENGINE_FAILED in log_path.read_text(errors="replace")
+                if failed or process.poll() is not None or time.monotonic() > deadline:
                     facts = engine.parse_log(log_path.read_text(errors="replace"))
                     why = (facts.hardware or facts.root_cause
                            or (f"exited with code {process.returncode}"

@@ -96,3 +96,15 @@ def test_usage_errors_before_any_server(smol_attn_head, args, message):
 
 def test_not_a_model_folder(tmp_path):
     assert_error(run_kvcalib("bench", tmp_path), 2, "not a model folder")
+
+
+def test_an_engine_that_dies_at_start_is_named_not_waited_for(smol_attn_head, tmp_path):
+    """At 1MiB no KV block fits: vLLM's engine core fails at start while its API server
+    stays up. bench must say why, from the server's log, instead of waiting --timeout."""
+    result = run_kvcalib("bench", smol_attn_head, "--kv-cache-dtypes", "auto",
+                         "--kv-budget", "1MiB", "--timeout", 900, "--json", tmp_path / "b.json",
+                         timeout=600)
+    assert result.returncode == 2, result.stderr
+    assert "no KV cache could be measured" in result.stdout and "Traceback" not in result.stderr
+    reason = json.loads((tmp_path / "b.json").read_text())["caches"][0]["reason"]
+    assert "No available memory for the cache blocks" in reason
