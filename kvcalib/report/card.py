@@ -15,7 +15,8 @@ markers gets the part appended, and a second run with the same inputs gives the 
 Result JSON, by option (each may carry "command", the command line that produced it):
 - --eval: `kvcalib eval --json` (samples, reference_ppl, metrics, checks, ...);
 - --bench: `kvcalib bench --json` (workload, caches, ...);
-- --lm-eval, and any result whose shape is not the one expected, rendered generically, the
+- --lm-eval: `kvcalib lm-eval --json` (table, comparisons, verdict);
+- any result whose shape is not the one expected, rendered generically, the
   first that fits: "summary_markdown" (Markdown, kept as it is); "rows", a list of objects
   (a table, one column per key); lm-evaluation-harness's own "results" ({task: {"metric,
   filter": value, "metric_stderr,filter": stderr}}); else the top-level numbers and strings.
@@ -169,7 +170,7 @@ def _body(report: CalibrationReport, name: str, base_model: str | None, results:
              *_serving(name, results.eval, notes), "", *_provenance(report)]
     for title, data, render in (("Accuracy (`kvcalib eval`)", results.eval, _eval),
                                 ("Serving (`kvcalib bench`)", results.bench, _bench),
-                                ("Benchmarks (lm-eval)", results.lm_eval, generic)):
+                                ("Long-context quality (lm-eval)", results.lm_eval, _lm_eval)):
         if data is not None:
             lines += ["", f"## {title}", "", *render(data), "", _command(data)]
     return lines
@@ -291,6 +292,31 @@ def _bench(data: dict[str, Any]) -> list[str]:
     if useful:
         lines += ["", f"Useful concurrency (targets {data.get('targets')}): {', '.join(useful)}"]
     return lines
+
+
+def _lm_eval(data: dict[str, Any]) -> list[str]:
+    """`kvcalib lm-eval --json`: accuracy per configuration, task and length with its 95%
+    interval, the paired comparisons and the recovery sentences; else `generic`."""
+    if "summary_markdown" in data or "comparisons" not in data:
+        return generic(data)
+    try:
+        accuracy = [[row["config"], row["task"], row["length"], row["n"],
+                     f"{row['accuracy']:.1%}" + (f" [{row['low']:.1%}, {row['high']:.1%}]"
+                                                 if row.get("low") is not None else "")]
+                    for row in data["table"]]
+        pairs = [[f"{c['b']} vs {c['a']}", c["n"], c["only_a"], c["only_b"],
+                  f"{c['p_value']:.3g}", f"{c['difference']:+.1%}"
+                  + (f" [{c['low']:+.1%}, {c['high']:+.1%}]" if c.get("low") is not None
+                     else ""), c["verdict"]] for c in data["comparisons"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"--lm-eval: not a `kvcalib lm-eval --json` result "
+                         f"({type(exc).__name__}: {exc})") from None
+    lines = [markdown_table(["config", "task", "length", "n", "accuracy [95%]"], accuracy)]
+    if pairs:
+        lines += ["", markdown_table(["b vs a", "pairs", "only a right", "only b right",
+                                      "McNemar p", "accuracy b - a [95%]", "verdict"], pairs)]
+    verdict = [f"- {line}" for line in data.get("verdict", [])]
+    return [*lines, "", *verdict] if verdict else lines
 
 
 def generic(data: dict[str, Any]) -> list[str]:

@@ -102,8 +102,11 @@ def test_bench_table(ckpt, tmp_path):
     first = data["caches"][0]
     tpot = first["rows"][0]["p50_tpot_ms"]  # under 100 ms: one decimal
     text = card(ckpt, "--bench", measured, "--print")
+    served = first.get("served_as")
+    label = first["kv_cache_dtype"] + (f" ({served})" if served not in (None, first[
+        "kv_cache_dtype"]) else "")
     line = next(line for line in text.splitlines()
-                if line.startswith(f"| {first['kv_cache_dtype']} | "
+                if line.startswith(f"| {label} | "
                                    f"{first['capacity']['tokens']:,} | 1 | "))
     assert f"| {tpot['median']:.1f} [{tpot['min']:.1f}-{tpot['max']:.1f}] |" in line
     assert f"`{data['command']}`" in text
@@ -111,6 +114,26 @@ def test_bench_table(ckpt, tmp_path):
     older = tmp_path / "bench.json"
     older.write_text(json.dumps(data))
     assert "not recorded" in card(ckpt, "--bench", older, "--print")
+
+
+def test_lm_eval_tables(ckpt, tmp_path):
+    """`kvcalib lm-eval --json` as measured: each accuracy with its Wilson interval, each
+    paired comparison, the recovery sentences; a malformed one is a usage error."""
+    measured = ROOT / "docs" / "measured" / "card-smollm2" / "lm-eval.json"
+    data = json.loads(measured.read_text())
+    text = card(ckpt, "--lm-eval", measured, "--print")
+    for row in data["table"]:
+        assert (f"| {row['config']} | {row['task']} | {row['length']} | {row['n']} | "
+                f"{100 * row['accuracy']:.1f}% [{100 * row['low']:.1f}%, "
+                f"{100 * row['high']:.1f}%] |") in text
+    for pair in data["comparisons"]:
+        assert f"| {pair['b']} vs {pair['a']} | {pair['n']} | {pair['only_a']} | " in text
+    assert all(f"- {line}" in text for line in data["verdict"])
+    assert f"`{data['command']}`" in text
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**data, "table": [{"config": "auto"}]}))
+    assert_error(run_kvcalib("card", ckpt, "--lm-eval", broken, "--print"), 2,
+                 "not a `kvcalib lm-eval --json` result")
 
 
 def test_generic_results(ckpt, tmp_path):
