@@ -26,7 +26,7 @@ import numpy as np
 
 from kvcalib.checkpoint.report_file import Record
 from kvcalib.errors import UsageError
-from kvcalib.verify.probe.vllm_probe import ANSWERED
+from kvcalib.verify.probe.answer_file import ANSWERED
 from kvcalib.verify.probe_answer import ProbeAnswer, load_probe_answer
 
 PROBE = Path(__file__).resolve().parent / "probe" / "vllm_probe.py"

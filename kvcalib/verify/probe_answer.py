@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import StrictBool, ValidationError
 
 from kvcalib.checkpoint.report_file import Record, describe
-from kvcalib.verify.probe import lm_eval_probe, vllm_probe
+from kvcalib.verify.probe.answer_file import LM_EVAL_PROBE_SCHEMA, VLLM_PROBE_SCHEMA
 
 
 class ReadScale(Record):
@@ -72,7 +72,7 @@ class LmEvalAnswer(Record):
     samples: list[LmEvalSample]
 
 
-SCHEMAS = {ProbeAnswer: vllm_probe.SCHEMA_VERSION, LmEvalAnswer: lm_eval_probe.SCHEMA_VERSION}
+SCHEMAS = {ProbeAnswer: VLLM_PROBE_SCHEMA, LmEvalAnswer: LM_EVAL_PROBE_SCHEMA}
 
 
 def load_probe_answer(text: str, answer: type[Record] = ProbeAnswer) -> dict[str, Any]:

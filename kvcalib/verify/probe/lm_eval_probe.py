@@ -25,14 +25,12 @@ Exit codes: 0 ok, 3 lm-eval or vLLM cannot be imported, 4 the engine failed to s
 5 it started but a task could not be scored.
 """
 
-import json
 import os
 import sys
 import time
 import traceback
 
-SCHEMA_VERSION = 1  # of the answer; kvcalib.verify.probe_answer reads it
-ANSWERED = "kvcalib-probe: answer written; what follows is vLLM's shutdown"
+from answer_file import LM_EVAL_PROBE_SCHEMA, error_text, finish, read_request, shutdown
 
 
 def _needle(doc, target):
@@ -86,27 +84,10 @@ def _vllm_backend():
     return backend.VLLM
 
 
-def _error(exc):
-    return f"{type(exc).__name__}: {exc}"
-
-
 def main():
-    request_path, result_path = sys.argv[1], sys.argv[2]
-    with open(request_path) as f:
-        request = json.load(f)
-    result = {"schema_version": SCHEMA_VERSION, "started": False, "error": None,
+    request, result_path = read_request(sys.argv[1]), sys.argv[2]
+    result = {"schema_version": LM_EVAL_PROBE_SCHEMA, "started": False, "error": None,
               "samples": []}
-
-    def finish(code):
-        tmp = result_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, result_path)
-        sys.stderr.flush()
-        print(ANSWERED, flush=True)
-        return code
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("cpu_kv_space_gib", 1)))
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[name] = "1"
     try:
@@ -118,8 +99,9 @@ def main():
 
         VLLM = _vllm_backend()
     except Exception as exc:
-        result["error"] = f"cannot import lm-eval or vLLM in {sys.executable}: {_error(exc)}"
-        return finish(3)
+        result["error"] = (f"cannot import lm-eval or vLLM in {sys.executable}: "
+                           f"{error_text(exc)}")
+        return finish(result, result_path, 3)
     result["lm_eval_version"] = lm_eval.__version__
     result["vllm_version"] = vllm.__version__
     started = time.perf_counter()
@@ -129,8 +111,8 @@ def main():
                   max_model_len=request["max_model_len"], enforce_eager=True, seed=0)
     except Exception as exc:
         traceback.print_exc()
-        result["error"] = _error(exc)
-        return finish(4)
+        result["error"] = error_text(exc)
+        return finish(result, result_path, 4)
     result["started"] = True
     result["start_seconds"] = round(time.perf_counter() - started, 2)
     runs = [(request["length_tasks"], length) for length in request["lengths"]]
@@ -153,13 +135,10 @@ def main():
             result["samples"] += _samples(out["samples"], length)
     except Exception as exc:
         traceback.print_exc()
-        result["error"] = _error(exc)
+        result["error"] = error_text(exc)
         code = 5
-    code = finish(code)
-    try:
-        lm.model.llm_engine.engine_core.shutdown(timeout=60)
-    except Exception:
-        traceback.print_exc()
+    code = finish(result, result_path, code)
+    shutdown(lm.model.llm_engine.engine_core)
     return code
 
 

@@ -19,15 +19,12 @@ Exit codes: 0 ok, 3 vLLM cannot be imported, 4 the engine failed to start, 5 it 
 but the scales or outputs could not be read.
 """
 
-import json
 import os
 import sys
 import time
 import traceback
 
-ANSWERED = "kvcalib-probe: answer written; what follows is vLLM's shutdown"
-SCHEMA_VERSION = 1  # of the answer; kvcalib.verify.probe_answer reads it
-SHUTDOWN_TIMEOUT_S = 60  # vLLM's own default (5 s) force-kills a worker still exiting
+from answer_file import VLLM_PROBE_SCHEMA, error_text, finish, read_request, shutdown
 
 
 def read_scales(model):
@@ -78,42 +75,15 @@ def _outputs(llm, prompts, max_tokens):
     return results
 
 
-def _error(exc):
-    """The exception with every line of its message (pydantic's come on several lines)."""
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _shutdown(llm):
-    """Stop the engine processes now, with time to exit on their own, instead of in a
-    finalizer at interpreter exit. A failure here comes after the answer: log it only."""
-    try:
-        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
-    except Exception:
-        traceback.print_exc()
-
-
 def main():
-    request_path, result_path = sys.argv[1], sys.argv[2]
-    with open(request_path) as f:
-        request = json.load(f)
-    result = {"schema_version": SCHEMA_VERSION, "started": False, "error": None}
-
-    def finish(code):
-        tmp = result_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, result_path)
-        sys.stderr.flush()
-        print(ANSWERED, flush=True)
-        return code
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("cpu_kv_space_gib", 1)))
+    request, result_path = read_request(sys.argv[1]), sys.argv[2]
+    result = {"schema_version": VLLM_PROBE_SCHEMA, "started": False, "error": None}
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships read_scales
     try:
         import vllm
     except Exception as exc:
-        result["error"] = f"cannot import vllm in {sys.executable}: {_error(exc)}"
-        return finish(3)
+        result["error"] = f"cannot import vllm in {sys.executable}: {error_text(exc)}"
+        return finish(result, result_path, 3)
     result["vllm_version"] = vllm.__version__
     result["platform"] = _platform()
     started = time.perf_counter()
@@ -127,8 +97,8 @@ def main():
             seed=0,
         )
     except Exception as exc:
-        result["error"] = _error(exc)
-        return finish(4)
+        result["error"] = error_text(exc)
+        return finish(result, result_path, 4)
     result["started"] = True
     result["start_seconds"] = round(time.perf_counter() - started, 2)
     code = 0
@@ -141,10 +111,10 @@ def main():
             result["outputs"] = _outputs(llm, request["prompts"], request.get("max_tokens", 16))
     except Exception as exc:
         traceback.print_exc()
-        result["error"] = _error(exc)
+        result["error"] = error_text(exc)
         code = 5
-    code = finish(code)
-    _shutdown(llm)
+    code = finish(result, result_path, code)
+    shutdown(llm.llm_engine.engine_core)
     return code
 
 
