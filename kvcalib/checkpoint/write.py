@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -129,9 +130,12 @@ def write_checkpoint(out: Path, source: Checkpoint, scales: dict[str, RawTensor]
     weight_map.update(dict.fromkeys(scales, SCALES_FILE))
     total = sum((out / f).stat().st_size for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_new(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-    config = {**source.config, "quantization_config": quant_config}
-    write_new(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    _write_json(out / INDEX_NAME, index)
+    _write_json(out / "config.json", {**source.config, "quantization_config": quant_config})
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    write_new(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 # Names kvcalib writes itself; an input weight file never takes one.
@@ -171,18 +175,31 @@ def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
     """
     names = output_names(weight_files(model_dir))
     copy_side_files(out, model_dir, leave_out)
+    weight_map, _ = _weight_files_without_scales(
+        out, model_dir, names, lambda source, target: place(source, target, weights))
+    return weight_map
+
+
+def _weight_files_without_scales(out: Path, folder: Path, names: dict[str, str],
+                                 place_file: Callable[[Path, Path], None],
+                                 ) -> tuple[dict[str, str], list[str]]:
+    """Each weight file of `folder` into `out` under its name in `names`: rewritten without
+    its KV scale tensors when it holds any, else put there by `place_file(source, target)`.
+    Returns the weight map of the tensors kept and the scale tensors left out."""
     weight_map: dict[str, str] = {}
+    dropped: list[str] = []
     for src, name in names.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
-        tensors = file_tensors(model_dir, src)
+        tensors = file_tensors(folder, src)
         found, twice = layouts.find_scales(tensors)
-        old_scales = {s.info.name for s in found} | set(twice)
-        if old_scales:
-            copy_tensors(model_dir, src, out / name, drop=old_scales)
+        scales = {s.info.name for s in found} | set(twice)
+        if scales:
+            copy_tensors(folder, src, out / name, drop=scales)
         else:
-            place(model_dir / src, out / name, weights)
-        weight_map.update({t: name for t in tensors if t not in old_scales})
-    return weight_map
+            place_file(folder / src, out / name)
+        dropped += sorted(scales)
+        weight_map.update({t: name for t in tensors if t not in scales})
+    return weight_map, dropped
 
 
 def copy_side_files(out: Path, model_dir: Path, leave_out: tuple[str, ...] = ()) -> None:
@@ -207,18 +224,9 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
     and recipe, which describe the scales, are left out. Returns the scale tensors left
     out.
     """
-    dropped: list[str] = []
-    weight_map: dict[str, str] = {}
-    for name in weight_files(folder):
-        tensors = file_tensors(folder, name)
-        found, twice = layouts.find_scales(tensors)
-        scales = {s.info.name for s in found} | set(twice)
-        if scales:
-            copy_tensors(folder, name, out / name, drop=scales)
-        else:
-            (out / name).symlink_to((folder / name).resolve())
-        dropped += sorted(scales)
-        weight_map.update({t: name for t in tensors if t not in scales})
+    names = {name: name for name in weight_files(folder)}
+    weight_map, dropped = _weight_files_without_scales(
+        out, folder, names, lambda source, target: target.symlink_to(source.resolve()))
     for item in folder.iterdir():
         if not (out / item.name).exists() and item.name not in (INDEX_NAME, "config.json",
                                                                 REPORT_FILE, RECIPE_FILE):
@@ -226,7 +234,7 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
     if (folder / INDEX_NAME).exists():
         index = json.loads((folder / INDEX_NAME).read_text())
         index["weight_map"] = weight_map
-        write_new(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        _write_json(out / INDEX_NAME, index)
     config = json.loads((folder / "config.json").read_text())
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and "kv_cache_scheme" in quant:
@@ -236,5 +244,5 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
         config = {k: v for k, v in config.items() if k != "quantization_config"}
         if quant is not None:
             config["quantization_config"] = quant
-    write_new(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    _write_json(out / "config.json", config)
     return dropped
