@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import typer
 
 from kvcalib.checks import Check
-from kvcalib.cli._options import STDOUT, is_stdout
+from kvcalib.cli._options import STDOUT, engine_log_dir, is_stdout, keep_inputs_intact
 from kvcalib.errors import UsageError
 from kvcalib.files import write_json, write_text
 
@@ -60,6 +60,19 @@ class Output:
         if self.json_path is not None:
             write_json(self.json_path, payload)
         typer.echo(text)
+
+
+def engine_command_output(command: str, checkpoint: Path, json_path: Path | None,
+                          junit: Path | None, log_dir: Path | None, plot: Path | None = None,
+                          starts_engine: bool = True) -> tuple[Output, Path | None]:
+    """The result sink and vLLM's log folder of a command that serves a checkpoint, with
+    every output (the default log folder too) checked against the checkpoint before any
+    work."""
+    out = Output(json_path, junit)
+    logs = engine_log_dir(command, checkpoint, log_dir, out.folder) if starts_engine else None
+    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit, "--plot": plot,
+                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    return out, logs
 
 
 def command_line() -> str:

@@ -11,14 +11,12 @@ import typer
 from kvcalib.cli._options import (
     JsonOut,
     JunitOut,
-    engine_log_dir,
     folder_option,
     grouped,
     info,
-    keep_inputs_intact,
     plot_option,
 )
-from kvcalib.cli._output import Output
+from kvcalib.cli._output import engine_command_output
 from kvcalib.evaluate.serving import BenchOptions
 
 LogDir = folder_option("Folder for the servers' logs and vLLM's result files (default: "
@@ -45,10 +43,7 @@ def bench(
     from kvcalib.report.plots import bench_plot
     from kvcalib.report.summaries import bench_summary
 
-    out = Output(json_path, junit)
-    logs = engine_log_dir("bench", checkpoint, log_dir, out.folder)
-    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit, "--plot": plot,
-                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    out, logs = engine_command_output("bench", checkpoint, json_path, junit, log_dir, plot)
     result = run_bench(checkpoint, options, logs, log=info)
     out.result(result.to_dict(), bench_summary(result), result.checks, "kvcalib.bench")
     if plot is not None and any(c.ran for c in result.caches):

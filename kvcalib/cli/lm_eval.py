@@ -12,14 +12,12 @@ import typer
 from kvcalib.cli._options import (
     JsonOut,
     JunitOut,
-    engine_log_dir,
     folder_option,
     grouped,
     info,
-    keep_inputs_intact,
     plot_option,
 )
-from kvcalib.cli._output import Output
+from kvcalib.cli._output import engine_command_output
 from kvcalib.evaluate.lm_eval import LmEvalOptions
 
 LogDir = folder_option("Folder for vLLM's and lm-eval's logs (default: beside --json, else "
@@ -46,10 +44,7 @@ def lm_eval(
     from kvcalib.report.plots import lm_eval_plot
     from kvcalib.report.summaries import lm_eval_summary
 
-    out = Output(json_path, junit)
-    logs = engine_log_dir("lm-eval", checkpoint, log_dir, out.folder)
-    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit, "--plot": plot,
-                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    out, logs = engine_command_output("lm-eval", checkpoint, json_path, junit, log_dir, plot)
     result = run_lm_eval(checkpoint, options, logs, log=info)
     out.result(result.to_dict(), lm_eval_summary(result), result.checks, "kvcalib.lm_eval")
     if plot is not None and result.table():

