@@ -77,7 +77,8 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int, log: Log,
 
     with _step("eval"):
         measured = evaluate(ckpt, EvalOptions(
-            held_out=HeldOut(num_samples=MIN_SAMPLES, max_seq_len=min(256, max_seq_len)),
+            held_out=HeldOut(num_samples=MIN_SAMPLES, max_seq_len=min(256, max_seq_len),
+                             batch_size=4),
             passkey=Passkey([min(1024, 4 * max_seq_len)], [0.25, 0.75]),
             layer_sweep=LayerSweep(sweep=True, samples=MIN_SAMPLES)), log=log)
         write_json(output / "eval.json", measured.to_dict())

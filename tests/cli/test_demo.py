@@ -19,7 +19,7 @@ def test_a_failed_check_fails_the_demo_and_names_it(tmp_path):
     exits 2 and says which step, after printing where everything else went."""
     env = {**os.environ, "KVCALIB_VLLM_PYTHON": "/bin/false"}
     result = run_kvcalib("demo", "--output", tmp_path / "demo", "--num-samples", "2",
-                         "--max-seq-len", "64", env=env, timeout=1800)
+                         "--max-seq-len", "16", env=env, timeout=1800)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1] == "Demo FAILED: verify (exit code 2)"
     assert "Result: ERROR (could not verify) (exit code 2)" in result.stdout

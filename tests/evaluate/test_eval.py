@@ -114,9 +114,10 @@ def _independent_kl(model_dir, token_ids, scales, skip: set[int]) -> float:
 
 
 def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
-    budget = 0.004
+    budget = 0.006  # all layers give about 0.0073 on these samples: a skip set is needed
     result = evaluate(smol_attn_head, EvalOptions(
-                          HeldOut(num_samples=MIN_SAMPLES, max_seq_len=64),
+                          HeldOut(num_samples=MIN_SAMPLES, max_seq_len=32,
+                                  batch_size=MIN_SAMPLES),
                           layer_sweep=LayerSweep(sweep=True, samples=MIN_SAMPLES),
                           gates=Gates(max_kl=budget)),
                       log=lambda _: None)
@@ -135,7 +136,7 @@ def test_skip_set_keeps_its_kl_budget(smol_attn_head, demo_model):
 
     report = json.loads((smol_attn_head / "kvcalib_report.json").read_text())
     samples = select_samples(DatasetSpec("builtin"), AutoTokenizer.from_pretrained(demo_model),
-                             MIN_SAMPLES, 64, 0, exclude_rows=set(report["dataset"]["rows_used"]))
+                             MIN_SAMPLES, 32, 0, exclude_rows=set(report["dataset"]["rows_used"]))
     assert samples.digest() == result.samples["token_ids_sha256"]
     scales = {k: v.float().flatten() for k, v in load_file(
         smol_attn_head / "kv_scales.safetensors").items()}
