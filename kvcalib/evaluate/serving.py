@@ -66,6 +66,9 @@ class BenchOptions(OptionGroup):
     max_ttft_ms: float | None = option(None, "Target: p99 time to first token (ms).", low=0)
     max_tpot_ms: float | None = option(None, "Target: p99 time per output token (ms).", low=0)
     seed: int = option(0, "Seed of vLLM's random prompts (the same for every measurement).")
+    enforce_eager: bool = option(False, "Serve without torch.compile: starts a minute or two "
+                                 "sooner on a CPU, but measures the uncompiled model.",
+                                 "--enforce-eager")
     vllm_python: str | None = vllm_python_option()
     timeout: float = option(1200, "Seconds to wait for each server to start.", low=1)
 
@@ -181,7 +184,8 @@ def bench(checkpoint: str | Path, options: BenchOptions, log_dir: Path,
         caches.append(_measure(python, folder, dtype, served, options, log_dir, log))
     workload = {k: getattr(options, k) for k in ("input_len", "output_len", "num_prompts",
                                                  "concurrency", "repeats", "kv_budget",
-                                                 "max_model_len", "seed")}
+                                                 "max_model_len", "seed",
+                                                 "enforce_eager")}
     return BenchResult(str(checkpoint), workload, {"max_ttft_ms": options.max_ttft_ms,
                                                    "max_tpot_ms": options.max_tpot_ms},
                        caches, python)
@@ -239,7 +243,8 @@ def _server(python: str, folder: Path, dtype: str, options: BenchOptions,
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--host", "127.0.0.1", "--port", str(port), "--kv-cache-dtype", dtype,
                "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
-               "--kv-cache-memory-bytes", str(parse_budget(options.kv_budget))]
+               "--kv-cache-memory-bytes", str(parse_budget(options.kv_budget)),
+               *(["--enforce-eager"] if options.enforce_eager else [])]
     # The legacy variable would override the budget on CPU (vllm/platforms/cpu.py).
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,7 +1,8 @@
 """`kvcalib bench` for real: one `vllm serve` per cache on calibrated SmolLM2, vLLM's own
 `bench serve` against it. Its numbers must be vLLM's (read back here from vLLM's result
 files and server logs), and the capacity at the shared KV budget must be what the model's
-shape gives, worked out here by hand. Two server starts, shared by the tests below."""
+shape gives, worked out here by hand. Two server starts, shared by the tests below, without
+torch.compile (--enforce-eager): what is checked here is where the numbers come from."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def bench_run(smol_attn_head, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     result = run_kvcalib("bench", smol_attn_head, "--num-prompts", 2, "--input-len", 16,
                          "--output-len", 4, "--concurrency", "1,2", "--repeats", 1,
-                         "--max-model-len", 256, "--max-tpot-ms", 100000,
+                         "--max-model-len", 256, "--max-tpot-ms", 100000, "--enforce-eager",
                          "--json", out / "bench.json", "--junit", out / "bench.xml",
                          "--plot", out / "bench.png",
                          timeout=1800)
@@ -50,6 +51,7 @@ def test_numbers_are_vllms_own(bench_run, fp8_kv_supported):
     for name in ran:
         cache = caches[name]
         server_log = (folder / f"vllm-serve-{name}.log").read_text()
+        assert "'enforce_eager': True" in server_log  # --enforce-eager reached vLLM
         logged = re.search(r"KV cache size: ([\d,]+) tokens", server_log)[1]
         assert cache["capacity"]["tokens"] == int(logged.replace(",", ""))
         assert [row["concurrency"] for row in cache["rows"]] == [1, 2]
@@ -102,8 +104,8 @@ def test_an_engine_that_dies_at_start_is_named_not_waited_for(smol_attn_head, tm
     """At 1MiB no KV block fits: vLLM's engine core fails at start while its API server
     stays up. bench must say why, from the server's log, instead of waiting --timeout."""
     result = run_kvcalib("bench", smol_attn_head, "--kv-cache-dtypes", "auto",
-                         "--kv-budget", "1MiB", "--timeout", 900, "--json", tmp_path / "b.json",
-                         timeout=600)
+                         "--kv-budget", "1MiB", "--timeout", 900, "--enforce-eager",
+                         "--json", tmp_path / "b.json", timeout=600)
     assert result.returncode == 2, result.stderr
     assert "no KV cache could be measured" in result.stdout and "Traceback" not in result.stderr
     reason = json.loads((tmp_path / "b.json").read_text())["caches"][0]["reason"]
