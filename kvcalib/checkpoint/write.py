@@ -40,7 +40,7 @@ from kvcalib.checkpoint.safetensors import (
     write_tensors,
 )
 from kvcalib.errors import UsageError
-from kvcalib.files import new_file, write_new
+from kvcalib.files import load_config, new_file, read_json, write_new
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 SCALES_FILE = "kv_scales.safetensors"
@@ -232,10 +232,11 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
                                                                 REPORT_FILE, RECIPE_FILE):
             (out / item.name).symlink_to(item.resolve())
     if (folder / INDEX_NAME).exists():
-        index = json.loads((folder / INDEX_NAME).read_text())
+        # weight_files has read and checked this index: a JSON object with a weight_map.
+        index = read_json(folder, INDEX_NAME, what="safetensors index")
         index["weight_map"] = weight_map
         _write_json(out / INDEX_NAME, index)
-    config = json.loads((folder / "config.json").read_text())
+    config = load_config(folder)
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and "kv_cache_scheme" in quant:
         quant = {k: v for k, v in quant.items() if k != "kv_cache_scheme"}

@@ -19,7 +19,7 @@ from conftest import run_kvcalib, verify_static
 from kvcalib.checkpoint import open_model, write_checkpoint
 from kvcalib.checkpoint import write as weights
 from kvcalib.checkpoint.safetensors import weight_files
-from kvcalib.errors import UsageError
+from kvcalib.errors import CheckpointError, UsageError
 from kvcalib.files import atomic_output_dir
 
 WEIGHTS = sorted(tiny_files.weight_shapes())
@@ -82,3 +82,31 @@ def test_convert_changes_no_input_file(layout, tmp_path):
     for name in WEIGHTS:
         assert written[name] == stored[name], name
     assert json.loads(result.stdout)["target_layout"] == "modelopt"
+
+
+def test_scale_free_view_of_a_tiny_checkpoint(tmp_path):
+    """lm-eval's scale-1.0 view: the scale tensors, the index's entries for them and the
+    kv_cache_scheme go; every weight stays, linked; the input is unchanged."""
+    src = tiny_files.build(tmp_path / "in",
+                           {"model.safetensors": WEIGHTS + tiny_files.scale_names()}, index=True)
+    before = tiny_files.digests(src)
+    out = tmp_path / "view"
+    out.mkdir()
+    dropped = weights.write_without_kv_scales(src, out)
+    assert dropped == sorted(tiny_files.scale_names())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == WEIGHTS
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert (out / "tokenizer.json").is_symlink()
+    assert tiny_files.digests(src) == before
+
+
+@pytest.mark.parametrize("text, message", [("{", "config.json is not valid JSON"),
+                                           ("[]", "config.json is not a model config")])
+def test_scale_free_view_of_a_malformed_config_is_one_error(text, message, tmp_path):
+    src = tiny_files.build(tmp_path / "in", {"model.safetensors": WEIGHTS})
+    (src / "config.json").write_text(text)
+    out = tmp_path / "view"
+    out.mkdir()
+    with pytest.raises(CheckpointError, match=message):
+        weights.write_without_kv_scales(src, out)
