@@ -55,6 +55,9 @@ MISSING_KERNEL = re.compile(r"(?P<op>_C::\w+)\(\) expected at most 0 argument\(s
 PREFIX = re.compile(r"^(?P<header>(?:\((?P<process>[^)]*)\) )?(?:[A-Z]+ \d\d-\d\d "
                     r"[\d:.]+ \[?[\w./-]+:\d+\] )?)(?P<text>.*)$")
 TRACEBACK = "Traceback (most recent call last):"
+# A traceback names a class with its module ("pydantic_core._pydantic_core.ValidationError:
+# ..."); kvcalib names exceptions by class alone, as the probes' answers do.
+MODULE_PATH = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=\w+(?::|$))")
 # Exceptions that only point at another process's traceback (the root cause): vLLM's
 # own pointers, and its model registry's subprocess (registry.py inspects each model class
 # in `python -m vllm.model_executor.models.registry` and re-raises its failure).
@@ -126,7 +129,8 @@ def parse_log(text: str) -> LogFacts:
 
 def exceptions(lines: list[str]) -> list[str]:
     """The exception at the end of each traceback in a log, with every line of its message,
-    in the order they were printed (the root cause of a chain comes first).
+    in the order they were printed (the root cause of a chain comes first), named by its
+    class without the module.
 
     Processes print into one log, so tracebacks interleave: each is followed within its
     own process's lines.
@@ -140,7 +144,8 @@ def exceptions(lines: list[str]) -> list[str]:
     def close(process: str | None) -> None:
         trace = open_.pop(process, None)
         if trace and trace["message"]:
-            found.append((trace["start"], "\n".join(trace["message"])))
+            message = "\n".join(trace["message"])
+            found.append((trace["start"], MODULE_PATH.sub("", message, count=1)))
 
     for number, line in enumerate(lines):
         parts = PREFIX.match(line)
@@ -250,8 +255,9 @@ def run_probe(python: str, ask: Any, log_path: Path, timeout: float = 1200,
     `script` (a probe beside PROBE) gets `ask`, a dataclass with `model` and
     `kv_cache_dtype` (a ProbeRequest for PROBE), and answers as `answer` says.
 
-    The probe runs in a session of its own, and every process of it (vLLM's EngineCore,
-    workers, resource tracker) is ended when it returns, times out, or this process is
+    The probe runs in a session of its own, and every process of it (vLLM's model
+    registry subprocess; with VLLM_ENABLE_V1_MULTIPROCESSING=1, its EngineCore, workers and
+    resource tracker) is ended when it returns, times out, or this process is
     interrupted or fails.
     """
     # Absolute: the probe runs in a scratch folder, and vLLM takes a path it cannot find

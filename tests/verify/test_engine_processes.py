@@ -1,10 +1,10 @@
 """No engine process outlives `verify`: interrupted, timed out or finished.
 
-The probe runs in a process group of its own (vLLM's EngineCore, its worker and a
-multiprocessing resource tracker join it). Each test watches that group from outside,
-by PID through /proc, and checks afterwards that every process it saw is gone. A zombie
-counts as gone: it has exited and only waits for a parent to reap it (this machine's
-init never does).
+The probe runs in a process group of its own (with vLLM's multi-process engine, its
+EngineCore, worker and multiprocessing resource tracker join it). Each test watches that
+group from outside, by PID through /proc, and checks afterwards that every process it saw
+is gone. A zombie counts as gone: it has exited and only waits for a parent to reap it
+(this machine's init never does).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import pytest
 
 from conftest import KVCALIB, ctrl_c_reaches_it
 from kvcalib.verify.engine import end_process_group
+
+# The probe runs vLLM's engine core in its own process by default; these tests ask for
+# vLLM's multi-process engine, the widest tree to end (EngineCore, its worker, a tracker).
+MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _alive(pid: int) -> bool:
@@ -84,7 +88,7 @@ def _verify(model: Path, out: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([str(KVCALIB), "verify", str(model), "--json", str(out / "v.json"),
                              "--kv-cache-dtype", "bfloat16", "--max-model-len", "2048", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=ctrl_c_reaches_it)
+                            preexec_fn=ctrl_c_reaches_it, env=os.environ | MULTIPROCESS)
 
 
 def _engine_core(pids: set[int]) -> bool:

@@ -97,6 +97,7 @@ def main():
             seed=0,
         )
     except Exception as exc:
+        traceback.print_exc()  # the root cause, for the log's reader
         result["error"] = error_text(exc)
         return finish(result, result_path, 4)
     result["started"] = True
