@@ -156,14 +156,8 @@ def _quantization_config(to: str, strategy: str,
                          tensors: dict[str, TensorInfo]) -> dict[str, Any]:
     """A KV-only quantization_config of format `to`, as vLLM 0.32 loads it."""
     if to == "compressed-tensors":
-        import compressed_tensors
-        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
-
         # Quark and ModelOpt both keep the running absmax, as static_minmax does.
-        config = QuantizationConfig(
-            config_groups={}, format="dense", quantization_status=QuantizationStatus.COMPRESSED,
-            kv_cache_scheme=layouts.kv_cache_args(strategy, "static_minmax"))
-        return {**config.model_dump(mode="json"), "version": compressed_tensors.__version__}
+        return layouts.kv_only_config(layouts.kv_cache_args(strategy, "static_minmax"))
     if to == "modelopt":
         # vLLM refuses a ModelOpt config without quant_algo (ModelOpt's own KV-only export):
         # FP8 with every module excluded is its way to say "weights not quantized".

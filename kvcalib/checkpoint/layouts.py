@@ -100,6 +100,18 @@ def kv_cache_args(strategy: str, observer: str):
     return QuantizationArgs(**FP8_KV_SCHEME, strategy=strategy, observer=observer)
 
 
+def kv_only_config(kv_args) -> dict[str, Any]:
+    """A compressed-tensors quantization_config that quantizes the KV cache as `kv_args`
+    (QuantizationArgs) says and no weights, as vLLM 0.32 loads it."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    config = QuantizationConfig(config_groups={}, format="dense",
+                                quantization_status=QuantizationStatus.COMPRESSED,
+                                kv_cache_scheme=kv_args)
+    return {**config.model_dump(mode="json"), "version": compressed_tensors.__version__}
+
+
 def kv_scheme(folder: Path, config: dict[str, Any]) -> KvScheme | None:
     """The declared scheme, None when the checkpoint declares no KV quantization."""
     quant = config.get("quantization_config")

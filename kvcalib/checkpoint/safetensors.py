@@ -195,11 +195,16 @@ def _fp8_table(exponent_bits: int, mantissa_bits: int) -> np.ndarray:
     return values
 
 
-def read_tensor(info: TensorInfo) -> np.ndarray:
-    """One tensor's values as float64 (or its integer type); reads only its bytes."""
+def read_raw(info: TensorInfo) -> RawTensor:
+    """One tensor as stored, as write_tensors takes it; reads only its bytes."""
     with open(info.file, "rb", buffering=0) as f:
         f.seek(info.start)
-        raw = f.read(info.end - info.start)
+        return info.dtype, info.shape, f.read(info.end - info.start)
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """One tensor's values as float64 (or its integer type); reads only its bytes."""
+    _, _, raw = read_raw(info)
     values = decode(raw, info.dtype, info.name)
     count = math.prod(info.shape)
     if values.size != count:

@@ -36,10 +36,11 @@ from kvcalib.checkpoint.safetensors import (
     RawTensor,
     copy_tensors,
     file_tensors,
+    read_raw,
     weight_files,
     write_tensors,
 )
-from kvcalib.errors import UsageError
+from kvcalib.errors import CheckpointError, UsageError
 from kvcalib.files import load_config, new_file, read_json, write_new
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
@@ -217,25 +218,11 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
     """`folder` with no KV scales, into the empty folder `out`, for vLLM to serve an FP8
     cache at scale 1.0 with the same weights (what it does when a checkpoint has none).
 
-    Weight files without KV scales and every other file are symbolic links to the input's
-    (read only, never written through); a weight file with scales is rewritten without
-    them, the index without their entries, and config.json without the kv_cache_scheme
-    (and without a quantization_config that declared nothing else); the calibration report
-    and recipe, which describe the scales, are left out. Returns the scale tensors left
-    out.
+    Files are linked as _linked_view says; config.json loses the kv_cache_scheme (and a
+    quantization_config that declared nothing else). Returns the scale tensors left out.
     """
-    names = {name: name for name in weight_files(folder)}
-    weight_map, dropped = _weight_files_without_scales(
-        out, folder, names, lambda source, target: target.symlink_to(source.resolve()))
-    for item in folder.iterdir():
-        if not (out / item.name).exists() and item.name not in (INDEX_NAME, "config.json",
-                                                                REPORT_FILE, RECIPE_FILE):
-            (out / item.name).symlink_to(item.resolve())
-    if (folder / INDEX_NAME).exists():
-        # weight_files has read and checked this index: a JSON object with a weight_map.
-        index = read_json(folder, INDEX_NAME, what="safetensors index")
-        index["weight_map"] = weight_map
-        _write_json(out / INDEX_NAME, index)
+    weight_map, dropped = _linked_view(folder, out)
+    _write_index(folder, out, weight_map)
     config = load_config(folder)
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and "kv_cache_scheme" in quant:
@@ -247,3 +234,59 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
             config["quantization_config"] = quant
     _write_json(out / "config.json", config)
     return dropped
+
+
+def write_with_kv_scales(folder: Path, scales_from: Checkpoint, out: Path) -> list[str]:
+    """`folder`'s weights with the KV scales of `scales_from` (a compressed-tensors
+    checkpoint of the same model), into the empty folder `out`: the unquantized model with
+    a weight-quantized checkpoint's KV cache, for vLLM to serve the KV-only row of
+    `eval --engine`.
+
+    Files are linked as _linked_view says; the scales are copied byte for byte into
+    SCALES_FILE, and config.json declares a KV-only compressed-tensors quantization_config
+    with `scales_from`'s kv_cache_scheme. Returns the scale tensors written.
+    """
+    from compressed_tensors.quantization import QuantizationArgs
+
+    quant = (scales_from.config or {}).get("quantization_config") or {}
+    if quant.get("quant_method") != "compressed-tensors" or not quant.get("kv_cache_scheme"):
+        raise CheckpointError(f"{scales_from.folder} declares no compressed-tensors "
+                              "kv_cache_scheme to carry over")
+    weight_map, _ = _linked_view(folder, out)
+    scales = {s.info.name: read_raw(s.info) for s in layouts.find_scales(scales_from.tensors)[0]}
+    write_tensors(out / SCALES_FILE, scales)
+    weight_map.update(dict.fromkeys(scales, SCALES_FILE))
+    _write_index(folder, out, weight_map, always=True)
+    kv_args = QuantizationArgs.model_validate(quant["kv_cache_scheme"])
+    _write_json(out / "config.json", {**load_config(folder),
+                                      "quantization_config": layouts.kv_only_config(kv_args)})
+    return sorted(scales)
+
+
+def _linked_view(folder: Path, out: Path) -> tuple[dict[str, str], list[str]]:
+    """`folder`'s files in `out` as symbolic links (read only, never written through), but
+    its index and config (the caller writes them) and its calibration report and recipe
+    (they describe its scales); a weight file holding KV scales is rewritten without them.
+    Returns the weight map of the linked tensors and the scale tensors left out."""
+    names = {name: name for name in weight_files(folder)}
+    weight_map, dropped = _weight_files_without_scales(
+        out, folder, names, lambda source, target: target.symlink_to(source.resolve()))
+    for item in folder.iterdir():
+        if not (out / item.name).exists() and item.name not in (INDEX_NAME, "config.json",
+                                                                REPORT_FILE, RECIPE_FILE):
+            (out / item.name).symlink_to(item.resolve())
+    return weight_map, dropped
+
+
+def _write_index(folder: Path, out: Path, weight_map: dict[str, str],
+                 always: bool = False) -> None:
+    """`folder`'s safetensors index (if it has one, or `always`) with `weight_map`."""
+    if (folder / INDEX_NAME).exists():
+        # weight_files has read and checked this index: a JSON object with a weight_map.
+        index = read_json(folder, INDEX_NAME, what="safetensors index")
+    elif always:
+        index = {"metadata": {}}
+    else:
+        return
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    _write_json(out / INDEX_NAME, index)

@@ -61,10 +61,26 @@ def gate_checks(result: EvalResult, main: str, gates: Gates) -> list[Check]:
             checks.append(Check("engine", PASS, f"vLLM fp8 vs model dtype: perplexity "
                                 f"{out['ppl_fp8']:.4g} vs {out['ppl_auto']:.4g}, top-1 agreement "
                                 f"{out['top1_agreement']:.1%}"))
+        if "separate" in result.engine:
+            checks.append(_engine_apart_check(result.engine["separate"]))
     if not any(c.group == "gate" for c in checks):
         checks.append(Check("gate", SKIP, "no gate set (--max-kl, --max-ppl-increase, "
                             "--min-passkey)"))
     return checks
+
+
+def _engine_apart_check(apart: dict[str, Any]) -> Check:
+    """The weights-only, KV-only and combined rows in vLLM: each row's perplexity change
+    against the unquantized model, or why a row could not run."""
+    if "error" in apart:
+        return Check("engine", ERROR, f"vLLM weights and KV apart: {apart['error']}")
+    failed = [f"{name}: {row['error']}" for name, row in apart["rows"].items() if "error" in row]
+    if failed:
+        return Check("engine", ERROR, f"vLLM weights and KV apart: {'; '.join(failed)}")
+    changes = ", ".join(f"{name.split(' (')[0]} {row['ppl_change']:+.2%}"
+                        for name, row in apart["rows"].items())
+    return Check("engine", PASS, f"vLLM perplexity change against the unquantized model: "
+                 f"{changes}")
 
 
 def _main_gates(result: EvalResult, main: str, gates: Gates) -> list[Check]:

@@ -15,7 +15,8 @@ exact reference run of the same model on the same tokens:
   memory budget (kvcache.capacity), each row's difference from calibrated FP8 with a
   paired 95% interval, a Pareto plot, and the highest-capacity format that meets the
   gates on a --target;
-- optionally the real engine: vLLM prompt log-probs with fp8 against the model dtype.
+- optionally the real engine: vLLM prompt log-probs with fp8 against the model dtype
+  (and for a weight-quantized checkpoint, the weights-only, KV-only and combined rows).
 """
 
 
@@ -25,6 +26,7 @@ import dataclasses
 import math
 import reprlib
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ from kvcalib.checkpoint import layouts
 from kvcalib.checkpoint.read import Checkpoint, KvScales, open_checkpoint, scale_checks
 from kvcalib.checkpoint.report_file import CalibrationReport
 from kvcalib.checkpoint.safetensors import file_tensors
+from kvcalib.checkpoint.write import write_with_kv_scales
 from kvcalib.checks import FAIL, WARN, Check
 from kvcalib.data import DatasetSpec, Samples, corpus, select_samples
 from kvcalib.errors import UsageError
@@ -244,7 +247,8 @@ def evaluate(ckpt: str | Path, options: EvalOptions = EvalOptions(),
         result.formats = format_comparison.compare(rows, result, main_name, options.gates,
                                                    options.formats)
     if options.engine.engine:
-        result.engine = _engine_cross_check(opened, samples, options.engine, log)
+        result.engine = _engine_cross_check(opened, samples, options.engine, log,
+                                            reference if apart is not None else None)
     result.checks = gate_checks(result, main_name, options.gates)
     return result
 
@@ -335,20 +339,24 @@ def _kivi_bytes(config: dict[str, Any], kivi: capacity.Kivi, tokens: int) -> dic
 
 
 def _engine_cross_check(ckpt: Checkpoint, samples: Samples, options: EngineCheck,
-                        log: Log) -> dict[str, Any]:
-    """vLLM prompt log-probs on the same token ids, with fp8 and with the model dtype."""
+                        log: Log, reference: Checkpoint | None) -> dict[str, Any]:
+    """vLLM prompt log-probs on the same token ids, with fp8 and with the model dtype; with
+    an unquantized `reference`, also the weights-only, KV-only and combined rows."""
     try:
         python, _ = engine.resolve_vllm_python(options.vllm_python)
     except UsageError as exc:
         return {"error": str(exc)}
     log_dir = Path(options.log_dir or engine.log_folder("eval", ckpt.folder))
     baseline = geometry.cache_dtype(ckpt.geometry and ckpt.geometry.dtype)
-    runs = {}
-    for dtype in ("fp8", baseline):
-        log(f"Starting vLLM with kv_cache_dtype={dtype}; log: {log_dir / f'vllm-{dtype}.log'}")
-        ask = engine.ProbeRequest(ckpt.folder, dtype, max(map(len, samples.token_ids)) + 8,
+
+    def probe(folder: Path, dtype: str, name: str) -> engine.ProbeRun:
+        log_path = log_dir / f"vllm-{name}.log"
+        log(f"Starting vLLM on {folder.name} with kv_cache_dtype={dtype}; log: {log_path}")
+        ask = engine.ProbeRequest(folder, dtype, max(map(len, samples.token_ids)) + 8,
                                   prompts=samples.token_ids, max_tokens=1)
-        runs[dtype] = engine.run_probe(python, ask, log_dir / f"vllm-{dtype}.log")
+        return engine.run_probe(python, ask, log_path)
+
+    runs = {dtype: probe(ckpt.folder, dtype, dtype) for dtype in ("fp8", baseline)}
     fp8, base = runs["fp8"], runs[baseline]
     result = engine.compare_runs(fp8, base)
     result["logs"] = {k: str(v.log_path) for k, v in runs.items()}
@@ -357,6 +365,16 @@ def _engine_cross_check(ckpt: Checkpoint, samples: Samples, options: EngineCheck
         if fp8.facts.hardware:
             result["error"] = ("vLLM on this machine cannot run an FP8 KV cache "
                                f"({fp8.facts.hardware})")
+    if reference is not None:
+        with tempfile.TemporaryDirectory(prefix="kvcalib-kv-only-") as tmp:
+            view = Path(tmp) / f"{reference.folder.name}-with-kv-scales"
+            view.mkdir()
+            write_with_kv_scales(reference.folder, ckpt, view)
+            kv_only = probe(view, "fp8", "kv-only")
+        ref = probe(reference.folder, baseline, "reference")
+        result["separate"] = separate.engine_rows(
+            ref, {separate.WEIGHTS: base, separate.KV: kv_only, separate.BOTH: fp8})
+        result["logs"].update({"kv-only": str(kv_only.log_path), "reference": str(ref.log_path)})
     return result
 
 

@@ -14,6 +14,14 @@ bootstrap over the samples (kvcalib.evaluate.stats), as every comparison eval pr
 The reference is `--reference`, else the calibration report's input model when that
 folder still exists, is unquantized and is the same model (architecture, parameter
 shapes, tokenizer); without one eval says so in a note and leaves the rows out.
+
+With `--engine` the same three rows are also measured in vLLM (engine_rows): the
+reference and the checkpoint with the model-dtype cache, the checkpoint with its FP8
+cache, and the unquantized weights carrying the checkpoint's scales
+(checkpoint.write.write_with_kv_scales) with an FP8 cache, each scoring the same token ids.
+vLLM gives the log-prob of each prompt token and the top-1 token, not whole
+distributions, so its rows have perplexity, top-1 agreement and mean |Δ log-prob| against
+the reference run instead of KL.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from kvcalib.checkpoint.read import Checkpoint, open_model
 from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import stats
 from kvcalib.evaluate.metrics import Metrics, compare_to, difference
+from kvcalib.verify.engine import ProbeRun, logprob_agreement
 
 REFERENCE = "reference (unquantized weights, 16-bit cache)"
 WEIGHTS = "weights only (16-bit cache)"
@@ -166,3 +175,49 @@ def _verdict(metrics: dict[str, Metrics], found: stats.Comparison | None) -> str
     more = "more" if d.estimate > 0 else "less"
     how = "they compound" if more == "more" else "they partly cancel"
     return f"the combination costs {more} than the sum ({how}): {numbers} ({interval})"
+
+
+def engine_rows(reference: ProbeRun, runs: dict[str, ProbeRun]) -> dict[str, Any]:
+    """WEIGHTS, KV and BOTH in vLLM against the reference run, on the same prompts: per
+    row its perplexity, its change with a paired 95% interval, top-1 agreement and mean
+    |Δ log-prob| per token; then whether the per-token NLL changes add up. A row that did
+    not run has its reason instead."""
+    if not reference.started or not reference.result.get("outputs"):
+        return {"error": f"the reference did not run: {_why(reference)}"}
+    base = _nll_pairs(reference)
+    ref_ppl = float(stats.perplexity(base[None])[0])
+    rows: dict[str, Any] = {}
+    pairs: dict[str, np.ndarray] = {}
+    for name, run in runs.items():
+        if not run.started or not run.result.get("outputs"):
+            rows[name] = {"kv_cache_dtype": run.kv_cache_dtype, "error": _why(run)}
+            continue
+        pairs[name] = _nll_pairs(run)
+        ppl = float(stats.perplexity(pairs[name][None])[0])
+        _, agree, diff = logprob_agreement(reference.result["outputs"], run.result["outputs"])
+        rows[name] = {"kv_cache_dtype": run.kv_cache_dtype, "ppl": ppl,
+                      "ppl_change": ppl / ref_ppl - 1, "top1_agreement": agree,
+                      "mean_abs_logprob_diff": diff,
+                      "vs_reference": None if stats.too_few(len(base)) else {
+                          "ppl": difference(stats.paired_bootstrap(base, pairs[name],
+                                                                   stats.perplexity))}}
+    result: dict[str, Any] = {"reference": {"kv_cache_dtype": reference.kv_cache_dtype,
+                                            "ppl": ref_ppl}, "rows": rows}
+    if len(pairs) == 3 and not stats.too_few(len(base)):
+        # Summed NLL per sample: (weights - ref) + (kv - ref) against (both - ref).
+        added = pairs[WEIGHTS].copy()
+        added[:, 0] += pairs[KV][:, 0] - base[:, 0]
+        result["interaction"] = difference(stats.paired_bootstrap(added, pairs[BOTH],
+                                                                  stats.ratio_of_sums))
+    return result
+
+
+def _why(run: ProbeRun) -> str:
+    return (run.facts.hardware or run.facts.root_cause or run.result.get("error")
+            or "vLLM gave no outputs")
+
+
+def _nll_pairs(run: ProbeRun) -> np.ndarray:
+    """(summed negative log-prob, tokens) per prompt, from vLLM's prompt log-probs."""
+    return np.array([(-sum(lp for _, lp, _ in out["prompt_logprobs"]),
+                      len(out["prompt_logprobs"])) for out in run.result["outputs"]], dtype=float)

@@ -90,6 +90,8 @@ def eval_summary(result: EvalResult) -> str:
         lines += ["", *formats_summary(result.formats, result.metrics)]
     if result.separate:
         lines += ["", *separate_summary(result.separate)]
+    if result.engine and "separate" in result.engine:
+        lines += ["", *engine_separate_summary(result.engine["separate"])]
     for note in result.notes:
         lines.append(f"Note: {note}")
     lines += ["", checks_table(result.checks), result_line(result.exit_code)]
@@ -158,6 +160,35 @@ def separate_summary(separate: dict[str, Any]) -> list[str]:
             table(["configuration", "mean KL", "95% interval", "top-1", "PPL", "PPL change",
                    "95% interval"], rows),
             f"Combined vs separate: {separate['verdict']}"]
+
+
+def engine_separate_summary(apart: dict[str, Any]) -> list[str]:
+    """The same rows in vLLM: perplexity and its change with the paired interval, top-1
+    agreement and mean |Δ log-prob| against the unquantized model's run."""
+    if "error" in apart:
+        return [f"In vLLM: {apart['error']}"]
+    ref = apart["reference"]
+    rows = []
+    for name, row in apart["rows"].items():
+        if "error" in row:
+            rows.append([name, row["kv_cache_dtype"], "-", "-", "-", "-", "-", row["error"]])
+            continue
+        versus = row["vs_reference"]
+        change = "-" if versus is None else _interval(versus["ppl"]["low"] / ref["ppl"],
+                                                      versus["ppl"]["high"] / ref["ppl"], "+.2%")
+        rows.append([name, row["kv_cache_dtype"], f"{row['ppl']:.4f}",
+                     f"{row['ppl_change']:+.2%}", change, f"{row['top1_agreement']:.2%}",
+                     f"{row['mean_abs_logprob_diff']:.4f}", ""])
+    headers = ["configuration", "kv_cache_dtype", "PPL", "PPL change", "95% interval",
+               "top-1 agreement", "mean |Δ log-prob|", "not run because"]
+    if not any(row[-1] for row in rows):
+        headers, rows = headers[:-1], [row[:-1] for row in rows]
+    lines = [f"In vLLM, against the unquantized model's run ({ref['kv_cache_dtype']} cache, "
+             f"perplexity {ref['ppl']:.4f}), on the same token ids:", table(headers, rows)]
+    if "interaction" in apart:
+        lines.append(f"Combined minus the sum of the separate changes, mean NLL per token: "
+                     f"{_versus(apart['interaction'])}")
+    return lines
 
 
 def formats_summary(formats: dict[str, Any], metrics: dict[str, Any]) -> list[str]:

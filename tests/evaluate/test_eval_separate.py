@@ -14,6 +14,7 @@ tokens.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,11 +51,13 @@ def held_out(tmp_path_factory) -> list:
 
 
 @pytest.fixture(scope="module")
-def separate_run(w8a8, held_out, tmp_path_factory):
-    """eval with no --reference: the calibration report's input model is the reference."""
+def separate_run(w8a8, held_out, tmp_path_factory, fp8_kv_supported):
+    """eval --engine with no --reference: the calibration report's input model is the
+    reference. Without an FP8 KV cache in this machine's vLLM the engine rows that need
+    one cannot run: exit 2, the simulated rows as ever."""
     out = tmp_path_factory.mktemp("eval-separate") / "eval.json"
-    result = run_kvcalib("eval", w8a8, *held_out, "--json", out, timeout=1800)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_kvcalib("eval", w8a8, *held_out, "--engine", "--json", out, timeout=1800)
+    assert result.returncode == (0 if fp8_kv_supported else 2), result.stderr[-3000:]
     return result, json.loads(out.read_text())
 
 
@@ -148,6 +151,44 @@ def test_kv_only_row_is_the_unquantized_model_with_the_checkpoints_scales(
     assert row["ppl"] == pytest.approx(compared["ppl"], rel=1e-6)
     assert report["separate"]["reference_ppl"] == pytest.approx(plain["reference_ppl"],
                                                                 rel=1e-6)
+
+
+@pytest.mark.engine
+def test_the_three_rows_in_vllm(separate_run, fp8_kv_supported):
+    """The same rows in vLLM, on the same token ids. Each run is checked against what is
+    independent of kvcalib's engine code: vLLM's own log (the KV-only view loads its scales:
+    no scale-1.0 warning, nothing left unloaded) and the simulated rows computed in
+    transformers (the same model in bf16 instead of fp32: perplexities within 5%; 0.1-2.6%
+    apart when this test was written)."""
+    from kvcalib.verify.engine import parse_log
+
+    result, report = separate_run
+    apart, engine = report["engine"]["separate"], report["engine"]
+    assert list(apart["rows"]) == [WEIGHTS, KV, BOTH]
+    simulated = report["separate"]
+    assert apart["reference"]["ppl"] == pytest.approx(simulated["reference_ppl"], rel=0.05)
+    kv_log = engine["logs"]["kv-only"]
+    assert kv_log.endswith("vllm-kv-only.log") and engine["logs"]["reference"]
+    if not fp8_kv_supported:
+        for name in (KV, BOTH):
+            assert "FP8 KV cache" in apart["rows"][name]["error"], apart["rows"][name]
+        assert any(c["message"].startswith("vLLM weights and KV apart: ")
+                   for c in report["checks"])
+        return
+    facts = parse_log(Path(kv_log).read_text())
+    assert facts.answered and not facts.scale_one_warnings and not facts.not_loaded
+    for name, row in apart["rows"].items():
+        expected = simulated["rows"][name]["metrics"]["ppl"]
+        assert row["ppl"] == pytest.approx(expected, rel=0.05), name
+        assert row["ppl_change"] == pytest.approx(row["ppl"] / apart["reference"]["ppl"] - 1)
+        interval = row["vs_reference"]["ppl"]
+        assert interval["low"] <= interval["difference"] <= interval["high"]
+        assert 0.5 < row["top1_agreement"] <= 1 and row["mean_abs_logprob_diff"] > 0
+    assert {row["kv_cache_dtype"] for row in apart["rows"].values()} == {"bfloat16", "fp8"}
+    assert apart["interaction"]["low"] <= apart["interaction"]["difference"]
+    assert "In vLLM, against the unquantized model's run (bfloat16 cache" in result.stdout
+    assert any(c["message"].startswith("vLLM perplexity change against the unquantized model: "
+                                       "weights only") for c in report["checks"])
 
 
 def test_no_unquantized_reference_is_said(w8a8, tmp_path):
