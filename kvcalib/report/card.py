@@ -36,8 +36,10 @@ from kvcalib.report.summaries import (
     BENCH_HEADERS,
     METRICS_HEADERS,
     bench_rows,
+    engine_separate_summary,
     metrics_rows,
     passkey_line,
+    separate_summary,
     skip_set_line,
     workload_line,
 )
@@ -262,6 +264,10 @@ def _eval(data: dict[str, Any]) -> list[str]:
                      {k: Metrics(**v) for k, v in data["metrics"].items()}))]
         extra = [f"Verdict: {data['verdict']}" if data.get("verdict") else "",
                  passkey_line(data["passkey"]) if data.get("passkey") else ""]
+        if data.get("separate"):  # weights and KV apart, simulated and in vLLM
+            extra += separate_summary(data["separate"], markdown_table)
+        if (data.get("engine") or {}).get("separate"):
+            extra += engine_separate_summary(data["engine"]["separate"], markdown_table)
         checks = [[c["group"], c["status"], c["message"]] for c in data.get("checks", [])]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--eval: not a `kvcalib eval --json` result ({type(exc).__name__}: "

@@ -4,11 +4,14 @@ form."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcalib.dtypes import E4M3_MAX
 from kvcalib.report.tables import checks_table, result_line, right_aligned, table
 from kvcalib.text import index_ranges, size, value_range
+
+Render = Callable[[Sequence[str], Sequence[Sequence[Any]]], str]  # tables.table, markdown_table
 
 if TYPE_CHECKING:  # the results summarized; each command imports only its own
     from kvcalib.checkpoint.convert import Conversion
@@ -142,13 +145,17 @@ def _versus(difference: dict[str, Any] | None, digits: str = "+.4f") -> str:
             f"{_interval(difference['low'], difference['high'], digits)}{noise}")
 
 
-def separate_summary(separate: dict[str, Any]) -> list[str]:
+def separate_summary(separate: dict[str, Any], render: Render = table) -> list[str]:
     """Weights only, KV only and both against the unquantized model, with the paired
-    intervals of each row's KL and perplexity against it, then whether the errors add."""
+    intervals of each row's KL and perplexity against it, then whether the errors add.
+    Reads eval's result or its JSON; `render` makes the table (text, or Markdown)."""
+    from kvcalib.evaluate.metrics import Metrics
+
     ref_ppl = separate["reference_ppl"]
     rows = []
     for name, row in separate["rows"].items():
         m, versus = row["metrics"], row["vs_reference"]
+        m = m if isinstance(m, Metrics) else Metrics(**m)
         ppl = versus["ppl"] if versus else None
         change = "-" if ppl is None else (
             f"{_interval(ppl['low'] / ref_ppl, ppl['high'] / ref_ppl, '+.2%')}")
@@ -157,12 +164,12 @@ def separate_summary(separate: dict[str, Any]) -> list[str]:
                      f"{m.top1:.2%}", f"{m.ppl:.4f}", f"{m.ppl_change:+.2%}", change])
     return [f"Weights and KV apart, against the unquantized model {separate['reference']} "
             f"(16-bit cache, perplexity {ref_ppl:.4f}); FP8 cache: {separate['fp8_cache']}",
-            table(["configuration", "mean KL", "95% interval", "top-1", "PPL", "PPL change",
-                   "95% interval"], rows),
+            render(["configuration", "mean KL", "95% interval", "top-1", "PPL", "PPL change",
+                    "95% interval"], rows),
             f"Combined vs separate: {separate['verdict']}"]
 
 
-def engine_separate_summary(apart: dict[str, Any]) -> list[str]:
+def engine_separate_summary(apart: dict[str, Any], render: Render = table) -> list[str]:
     """The same rows in vLLM: perplexity and its change with the paired interval, top-1
     agreement and mean |Δ log-prob| against the unquantized model's run."""
     if "error" in apart:
@@ -184,7 +191,7 @@ def engine_separate_summary(apart: dict[str, Any]) -> list[str]:
     if not any(row[-1] for row in rows):
         headers, rows = headers[:-1], [row[:-1] for row in rows]
     lines = [f"In vLLM, against the unquantized model's run ({ref['kv_cache_dtype']} cache, "
-             f"perplexity {ref['ppl']:.4f}), on the same token ids:", table(headers, rows)]
+             f"perplexity {ref['ppl']:.4f}), on the same token ids:", render(headers, rows)]
     if "interaction" in apart:
         lines.append(f"Combined minus the sum of the separate changes, mean NLL per token: "
                      f"{_versus(apart['interaction'])}")

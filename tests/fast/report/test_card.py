@@ -95,6 +95,41 @@ def test_eval_table_command_and_skip_layers(ckpt, tmp_path):
     assert ckpt.stat().st_mtime_ns == folder_mtime  # --print writes nothing, not even a probe
 
 
+def _metrics(kl: float, ppl: float) -> dict:
+    return {"mean_kl": kl, "p99_kl": 4 * kl, "top1": 0.9, "ppl": ppl, "ppl_change": 0.0,
+            "clipped": {}, "kl_by_sample": [], "mean_kl_ci": [kl / 2, 2 * kl],
+            "nll_by_sample": []}
+
+
+def test_weights_and_kv_apart_tables(ckpt, tmp_path):
+    """A W8A8 checkpoint's eval: the simulated rows and the same rows in vLLM."""
+    rows = {"weights only (16-bit cache)": (0.0332, 18.7771, "bfloat16", 18.81),
+            "KV only (unquantized weights, FP8 cache)": (0.0083, 18.4957, "fp8", 18.52),
+            "both (quantized weights, FP8 cache)": (0.0423, 19.0574, "fp8", 19.16)}
+    interval = {"difference": 0.5, "low": 0.2, "high": 0.8, "within_noise": False,
+                "samples": 16, "samples_needed": 10}
+    separate = {"reference": "/models/smol", "fp8_cache": "calibrated (e4m3)",
+                "reference_ppl": 18.3679, "verdict": "the errors add up",
+                "rows": {name: {"metrics": _metrics(kl, ppl), "vs_reference": None}
+                         for name, (kl, ppl, _, _) in rows.items()}}
+    engine = {"reference": {"kv_cache_dtype": "bfloat16", "ppl": 18.40},
+              "rows": {name: {"kv_cache_dtype": dtype, "ppl": ppl, "ppl_change": ppl / 18.40 - 1,
+                              "top1_agreement": 0.9, "mean_abs_logprob_diff": 0.1,
+                              "vs_reference": {"ppl": interval}}
+                       for name, (_, _, dtype, ppl) in rows.items()},
+              "interaction": interval}
+    text = card(ckpt, "--eval", eval_json(tmp_path, separate=separate,
+                                          engine={"separate": engine}), "--print")
+    assert "Weights and KV apart, against the unquantized model /models/smol" in text
+    assert "| KV only (unquantized weights, FP8 cache) | 0.00830 | [0.00415, 0.01660] |" in text
+    assert "Combined vs separate: the errors add up" in text
+    assert "In vLLM, against the unquantized model's run (bfloat16 cache, perplexity " \
+        "18.4000)" in text
+    change = f"{19.16 / 18.40 - 1:+.2%}"
+    assert (f"| both (quantized weights, FP8 cache) | fp8 | 19.1600 | {change} | "
+            f"[{0.2 / 18.40:+.2%}, {0.8 / 18.40:+.2%}] | 90.00% | 0.1000 |") in text
+
+
 def test_bench_table(ckpt, tmp_path):
     """A measured bench JSON, then the same without its "command" (older kvcalib)."""
     measured = ROOT / "docs" / "measured" / "card-smollm2" / "bench.json"
