@@ -153,7 +153,8 @@ class EngineCheck(OptionGroup):
     """Score the same tokens in vLLM too (the serving env's python; logs in log_dir)."""
 
     engine: bool = option(False, "Also score the same tokens in vLLM with fp8 and the model "
-                          "dtype (serving env).", "--engine")
+                          "dtype (serving env); with an unquantized reference, also the "
+                          "weights-only, KV-only and combined rows.", "--engine")
     vllm_python: str | None = vllm_python_option()
     log_dir: Path | None = None  # default: ./kvcalib-eval-logs/NAME (the CLI: beside --json)
 
