@@ -188,16 +188,24 @@ def engine_rows(reference: ProbeRun, runs: dict[str, ProbeRun]) -> dict[str, Any
     ref_ppl = float(stats.perplexity(base[None])[0])
     rows: dict[str, Any] = {}
     pairs: dict[str, np.ndarray] = {}
+    checkpoint_scales = _loaded_scales(runs[BOTH]) if runs[BOTH].started else None
     for name, run in runs.items():
         if not run.started or not run.result.get("outputs"):
             rows[name] = {"kv_cache_dtype": run.kv_cache_dtype, "error": _why(run)}
+            continue
+        if name == KV and checkpoint_scales is not None and \
+                _loaded_scales(run) != checkpoint_scales:
+            # compressed-tensors loads missing KV scales as 1.0 without a word
+            rows[name] = {"kv_cache_dtype": run.kv_cache_dtype,
+                          "error": "vLLM ran the KV-only view with other scales than the "
+                                   "checkpoint's (read back from its attention layers)"}
             continue
         pairs[name] = _nll_pairs(run)
         ppl = float(stats.perplexity(pairs[name][None])[0])
         _, agree, diff = logprob_agreement(reference.result["outputs"], run.result["outputs"])
         rows[name] = {"kv_cache_dtype": run.kv_cache_dtype, "ppl": ppl,
                       "ppl_change": ppl / ref_ppl - 1, "top1_agreement": agree,
-                      "mean_abs_logprob_diff": diff,
+                      "mean_abs_logprob_diff": diff, "loaded_scales": _loaded_scales(run),
                       "vs_reference": None if stats.too_few(len(base)) else {
                           "ppl": difference(stats.paired_bootstrap(base, pairs[name],
                                                                    stats.perplexity))}}
@@ -215,6 +223,13 @@ def engine_rows(reference: ProbeRun, runs: dict[str, ProbeRun]) -> dict[str, Any
 def _why(run: ProbeRun) -> str:
     return (run.facts.hardware or run.facts.root_cause or run.result.get("error")
             or "vLLM gave no outputs")
+
+
+def _loaded_scales(run: ProbeRun) -> dict[str, list[float | None]]:
+    """The k and v scales each attention layer of vLLM ran with (the probe reads them
+    back), by layer name."""
+    return {layer: [entry.get("k_float"), entry.get("v_float")]
+            for layer, entry in (run.result.get("scales") or {}).items()}
 
 
 def _nll_pairs(run: ProbeRun) -> np.ndarray:

@@ -137,19 +137,3 @@ def test_exhausted_dataset_says_so(smol_attn_head, tmp_path):
     assert "pass --dataset" in result.stderr
 
 
-@pytest.mark.engine
-def test_engine_cross_check(smol_attn_head, fp8_kv_supported, tmp_path):
-    result = run_kvcalib("eval", smol_attn_head, "--num-samples", 2, "--max-seq-len", 64,
-                         "--passkey-lengths", "", "--engine", "--json", tmp_path / "e.json",
-                         timeout=1800)
-    report = json.loads((tmp_path / "e.json").read_text())
-    engine = report["engine"]
-    assert "capacity" in engine, (engine, result.stderr[-3000:])
-    assert engine["capacity"]["ratio"] == pytest.approx(2.0, abs=0.1)
-    if fp8_kv_supported:
-        assert result.returncode == 0, result.stdout
-        assert engine["outputs"]["positions"] == 2 * 63
-    else:
-        assert result.returncode == 2, result.stdout
-        assert "cannot run an FP8 KV cache" in engine["error"]
-    assert (tmp_path / "vllm-fp8.log").exists() and (tmp_path / "vllm-bfloat16.log").exists()

@@ -154,29 +154,49 @@ def test_kv_only_row_is_the_unquantized_model_with_the_checkpoints_scales(
 
 
 @pytest.mark.engine
-def test_the_three_rows_in_vllm(separate_run, fp8_kv_supported):
+def test_the_three_rows_in_vllm(separate_run, w8a8, fp8_kv_supported):
     """The same rows in vLLM, on the same token ids. Each run is checked against what is
-    independent of kvcalib's engine code: vLLM's own log (the KV-only view loads its scales:
-    no scale-1.0 warning, nothing left unloaded) and the simulated rows computed in
-    transformers (the same model in bf16 instead of fp32: perplexities within 5%; 0.1-2.6%
-    apart when this test was written)."""
-    from kvcalib.verify.engine import parse_log
+    independent of kvcalib's engine code: the scales vLLM's attention layers ran with in
+    the KV-only and combined runs against the checkpoint's scale tensors, read here with
+    safetensors (compressed-tensors would load missing ones as 1.0 without a word), and
+    the simulated rows computed in transformers (the same model in bf16 instead of fp32:
+    perplexities within 5%; 0.1-2.6% apart when this test was written)."""
+    from safetensors import safe_open
 
     result, report = separate_run
     apart, engine = report["engine"]["separate"], report["engine"]
+    # the checkpoint's own cross-check, fp8 against the model dtype
+    assert engine["capacity"]["ratio"] == pytest.approx(2.0, abs=0.1)
+    assert Path(engine["logs"]["fp8"]).name == "vllm-fp8.log"
+    assert Path(engine["logs"]["bfloat16"]).exists()
     assert list(apart["rows"]) == [WEIGHTS, KV, BOTH]
     simulated = report["separate"]
     assert apart["reference"]["ppl"] == pytest.approx(simulated["reference_ppl"], rel=0.05)
     kv_log = engine["logs"]["kv-only"]
     assert kv_log.endswith("vllm-kv-only.log") and engine["logs"]["reference"]
     if not fp8_kv_supported:
+        assert "cannot run an FP8 KV cache" in engine["error"]
         for name in (KV, BOTH):
             assert "FP8 KV cache" in apart["rows"][name]["error"], apart["rows"][name]
         assert any(c["message"].startswith("vLLM weights and KV apart: ")
                    for c in report["checks"])
         return
-    facts = parse_log(Path(kv_log).read_text())
-    assert facts.answered and not facts.scale_one_warnings and not facts.not_loaded
+    assert engine["outputs"]["positions"] == SAMPLES * (TOKENS - 1)
+    stored = {}
+    for path in w8a8.glob("*.safetensors"):
+        with safe_open(path, "pt") as tensors:
+            names = [name for name in tensors.keys()  # noqa: SIM118 (not a dict)
+                     if name.endswith(("k_scale", "v_scale"))]
+            stored.update({name: float(tensors.get_tensor(name).float().max())
+                           for name in names})
+    assert len(stored) == 60
+    for name in (KV, BOTH):
+        loaded = apart["rows"][name]["loaded_scales"]
+        assert len(loaded) == 30, name
+        for layer, (k, v) in loaded.items():
+            module = layer.removesuffix(".attn")  # model.layers.N.self_attn
+            assert (k, v) == pytest.approx((stored[f"{module}.k_scale"],
+                                            stored[f"{module}.v_scale"]), rel=1e-2), layer
     for name, row in apart["rows"].items():
         expected = simulated["rows"][name]["metrics"]["ppl"]
         assert row["ppl"] == pytest.approx(expected, rel=0.05), name

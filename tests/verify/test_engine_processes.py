@@ -113,7 +113,7 @@ def test_timeout_ends_every_engine_process_even_stopped_ones(demo_model, tmp_pat
     """Every process the probe starts is stopped (SIGSTOP) as soon as it appears, so the
     engine cannot start: the timeout must expire, and stopped processes ignore SIGTERM,
     so ending them needs the SIGKILL that follows."""
-    process = _verify(demo_model, tmp_path, "--timeout", "60")
+    process = _verify(demo_model, tmp_path, "--timeout", "30")
     probe = _probe_of(process)
     stopped: set[int] = set()
 
@@ -132,7 +132,7 @@ def test_timeout_ends_every_engine_process_even_stopped_ones(demo_model, tmp_pat
     report = json.loads((tmp_path / "v.json").read_text())
     (engine,) = [c for c in report["checks"] if c["group"] == "engine"]
     assert engine["status"] == "error"
-    assert engine["message"] == "cannot check: vLLM did not answer within 60 s (--timeout)"
+    assert engine["message"] == "cannot check: vLLM did not answer within 30 s (--timeout)"
 
 
 def test_ending_a_group_kills_what_ignores_sigterm(tmp_path):

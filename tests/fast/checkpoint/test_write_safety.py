@@ -101,39 +101,6 @@ def test_scale_free_view_of_a_tiny_checkpoint(tmp_path):
     assert tiny_files.digests(src) == before
 
 
-def test_kv_only_view_carries_another_checkpoints_scales(tmp_path):
-    """eval --engine's KV-only row: the unquantized weights (a lone model.safetensors, no
-    index), linked, with the scales of a checkpoint that has them, byte for byte, and its
-    kv_cache_scheme in a quantization_config that quantizes no weights."""
-    weights_only = tiny_files.build(tmp_path / "plain", {"model.safetensors": WEIGHTS},
-                                    scheme=False)
-    with_scales = tiny_files.build(tmp_path / "quantized", {
-        "model.safetensors": WEIGHTS, "scales.safetensors": tiny_files.scale_names()}, seed=1)
-    before = tiny_files.digests(weights_only), tiny_files.digests(with_scales)
-    out = tmp_path / "view"
-    out.mkdir()
-    written = weights.write_with_kv_scales(weights_only, open_model(with_scales), out)
-    assert written == sorted(tiny_files.scale_names())
-    stored = tiny_files.indexed_tensors(out)
-    plain = tiny_files.peers.raw_tensors(weights_only / "model.safetensors")
-    scales = tiny_files.peers.raw_tensors(with_scales / "scales.safetensors")
-    assert stored == {**plain, **scales}
-    assert (out / "model.safetensors").is_symlink() and (out / "tokenizer.json").is_symlink()
-    quant = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert quant["kv_cache_scheme"] | tiny_files.KV_SCHEME["kv_cache_scheme"] == \
-        quant["kv_cache_scheme"]
-    assert quant["config_groups"] == {} and quant["format"] == "dense"
-    assert (tiny_files.digests(weights_only), tiny_files.digests(with_scales)) == before
-
-
-def test_kv_only_view_needs_a_compressed_tensors_scheme(tmp_path):
-    plain = tiny_files.build(tmp_path / "plain", {"model.safetensors": WEIGHTS}, scheme=False)
-    out = tmp_path / "view"
-    out.mkdir()
-    with pytest.raises(CheckpointError, match="declares no compressed-tensors kv_cache_scheme"):
-        weights.write_with_kv_scales(plain, open_model(plain), out)
-
-
 @pytest.mark.parametrize("text, message", [("{", "config.json is not valid JSON"),
                                            ("[]", "config.json is not a model config")])
 def test_scale_free_view_of_a_malformed_config_is_one_error(text, message, tmp_path):

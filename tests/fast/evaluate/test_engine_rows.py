@@ -53,6 +53,22 @@ def test_rows_against_the_reference_run():
     assert interaction["low"] <= interaction["difference"] <= interaction["high"]
 
 
+def test_a_kv_only_view_at_other_scales_is_no_row():
+    """compressed-tensors loads missing scales as 1.0 silently: the KV-only run must read
+    back the scales the checkpoint's own FP8 run reads back."""
+    runs = {name: _run("fp8", *_logprobs(seed)) for seed, name in enumerate((WEIGHTS, KV, BOTH))}
+    runs[BOTH].result["scales"] = {"model.layers.0.self_attn.attn": {"k_float": 0.02,
+                                                                      "v_float": 0.01}}
+    runs[KV].result["scales"] = {"model.layers.0.self_attn.attn": {"k_float": 1.0,
+                                                                    "v_float": 1.0}}
+    result = engine_rows(_run("bfloat16", *_logprobs(9)), runs)
+    assert "other scales than the checkpoint's" in result["rows"][KV]["error"]
+    assert result["rows"][BOTH]["loaded_scales"] == {"model.layers.0.self_attn.attn": [0.02,
+                                                                                         0.01]}
+    runs[KV].result["scales"] = runs[BOTH].result["scales"]
+    assert "error" not in engine_rows(_run("bfloat16", *_logprobs(9)), runs)["rows"][KV]
+
+
 def test_a_row_that_did_not_run_has_its_reason():
     ref = _run("bfloat16", *_logprobs(0))
     failed = ProbeRun("fp8", {"started": False, "error": "RuntimeError: no"}, Path("x.log"),
