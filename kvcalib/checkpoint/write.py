@@ -247,17 +247,23 @@ def write_with_kv_scales(folder: Path, scales_from: Checkpoint, out: Path) -> li
     with `scales_from`'s kv_cache_scheme. Returns the scale tensors written.
     """
     from compressed_tensors.quantization import QuantizationArgs
+    from pydantic import ValidationError
 
-    quant = (scales_from.config or {}).get("quantization_config") or {}
-    if quant.get("quant_method") != "compressed-tensors" or not quant.get("kv_cache_scheme"):
+    quant = (scales_from.config or {}).get("quantization_config")
+    scheme = quant.get("kv_cache_scheme") if isinstance(quant, dict) else None
+    if not isinstance(scheme, dict) or quant.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"{scales_from.folder} declares no compressed-tensors "
                               "kv_cache_scheme to carry over")
+    try:
+        kv_args = QuantizationArgs.model_validate(scheme)
+    except ValidationError as exc:
+        raise CheckpointError(f"{scales_from.folder}'s kv_cache_scheme is not compressed-"
+                              f"tensors' QuantizationArgs: {exc.errors()[0]['msg']}") from None
     weight_map, _ = _linked_view(folder, out)
     scales = {s.info.name: read_raw(s.info) for s in layouts.find_scales(scales_from.tensors)[0]}
     write_tensors(out / SCALES_FILE, scales)
     weight_map.update(dict.fromkeys(scales, SCALES_FILE))
     _write_index(folder, out, weight_map, always=True)
-    kv_args = QuantizationArgs.model_validate(quant["kv_cache_scheme"])
     _write_json(out / "config.json", {**load_config(folder),
                                       "quantization_config": layouts.kv_only_config(kv_args)})
     return sorted(scales)

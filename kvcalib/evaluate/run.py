@@ -41,7 +41,7 @@ from kvcalib.checkpoint.safetensors import file_tensors
 from kvcalib.checkpoint.write import write_with_kv_scales
 from kvcalib.checks import FAIL, WARN, Check
 from kvcalib.data import DatasetSpec, Samples, corpus, select_samples
-from kvcalib.errors import UsageError
+from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import formats as format_comparison
 from kvcalib.evaluate import separate
 from kvcalib.evaluate.metrics import CALIBRATED, E5M2, SCALE_ONE, batches, score, verdict
@@ -369,12 +369,19 @@ def _engine_cross_check(ckpt: Checkpoint, samples: Samples, options: EngineCheck
         with tempfile.TemporaryDirectory(prefix="kvcalib-kv-only-") as tmp:
             view = Path(tmp) / f"{reference.folder.name}-with-kv-scales"
             view.mkdir()
-            write_with_kv_scales(reference.folder, ckpt, view)
-            kv_only = probe(view, "fp8", "kv-only")
+            try:
+                write_with_kv_scales(reference.folder, ckpt, view)
+                kv_only = probe(view, "fp8", "kv-only")
+            except KvcalibError as exc:  # a row of its own, not the whole eval
+                kv_only = engine.ProbeRun("fp8", {"started": False, "error": f"no KV-only "
+                                                  f"view: {exc}"}, log_dir / "vllm-kv-only.log",
+                                          engine.LogFacts(), 0.0)
         ref = probe(reference.folder, baseline, "reference")
         result["separate"] = separate.engine_rows(
             ref, {separate.WEIGHTS: base, separate.KV: kv_only, separate.BOTH: fp8})
-        result["logs"].update({"kv-only": str(kv_only.log_path), "reference": str(ref.log_path)})
+        result["logs"].update({name: str(run.log_path) for name, run in
+                               (("kv-only", kv_only), ("reference", ref))
+                               if run.log_path.exists()})
     return result
 
 

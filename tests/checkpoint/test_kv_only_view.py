@@ -48,3 +48,20 @@ def test_kv_only_view_needs_a_compressed_tensors_scheme(tmp_path):
     out.mkdir()
     with pytest.raises(CheckpointError, match="declares no compressed-tensors kv_cache_scheme"):
         weights.write_with_kv_scales(plain, open_model(plain), out)
+
+
+@pytest.mark.parametrize("scheme, message", [
+    ({"num_bits": "eight", "type": "float"}, "is not compressed-tensors' QuantizationArgs"),
+    (["not", "a", "scheme"], "declares no compressed-tensors kv_cache_scheme"),
+])
+def test_a_malformed_kv_scheme_is_one_error_and_nothing_written(scheme, message, tmp_path):
+    plain = tiny_files.build(tmp_path / "plain", {"model.safetensors": WEIGHTS}, scheme=False)
+    other = tiny_files.build(tmp_path / "other", {"model.safetensors": WEIGHTS})
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    (other / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "view"
+    out.mkdir()
+    with pytest.raises(CheckpointError, match=message):
+        weights.write_with_kv_scales(plain, open_model(other), out)
+    assert list(out.iterdir()) == []
