@@ -41,6 +41,7 @@ def evaluate(
     text: --dataset as for `run`, by default the built-in corpus, without the rows the
     calibration used when it calibrated on it."""
     from kvcalib.evaluate.run import evaluate as run_evaluate
+    from kvcalib.evaluate.separate import calibrated_from
     from kvcalib.report import plots
     from kvcalib.report.summaries import eval_summary
 
@@ -49,7 +50,8 @@ def evaluate(
     dataset = options.held_out.dataset
     out = Output(json_path)
     logs = engine_log_dir("eval", checkpoint, None, out.folder) if options.engine.engine else None
-    keep_inputs_intact([checkpoint, dataset and dataset.source, options.simulation.reference],
+    keep_inputs_intact([checkpoint, dataset and dataset.source, options.simulation.reference,
+                        calibrated_from(checkpoint)],
                        {"--json": json_path, "--plot": plot, "--pareto": pareto,
                         "the engine's log folder": logs})
     if logs is not None:

@@ -83,6 +83,21 @@ def find_reference(ckpt: Checkpoint, given: Path | None, notes: list[str]) -> Ch
     return found
 
 
+def calibrated_from(folder: Path) -> Path | None:
+    """The unquantized input model the calibration report of `folder` names when `run`
+    quantized the weights: find_reference's reference when none is given, so an input
+    that outputs must stay out of. None otherwise, or without a readable report
+    (evaluate says why later)."""
+    from kvcalib.checkpoint.report_file import load_report
+
+    try:
+        report = load_report(folder)
+    except KvcalibError:
+        return None
+    quantized = report and report.weight_quantization
+    return Path(report.model.path) if quantized and quantized.quantized_by == "run" else None
+
+
 def _checked(ckpt: Checkpoint, folder: Path, what: str) -> Checkpoint:
     """The reference's config, refused when it is quantized or another architecture."""
     from kvcalib.calibrate import weight_schemes

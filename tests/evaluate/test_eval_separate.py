@@ -227,6 +227,22 @@ def test_no_unquantized_reference_is_said(w8a8, tmp_path):
     assert "pass --reference FOLDER" in result.stdout
 
 
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_no_output_inside_the_implicit_reference(option, w8a8, demo_model, tmp_path):
+    """The report's input model is an input too when eval takes it as the reference:
+    an output inside it (--json, and with it --engine's logs) is refused before any
+    work, and nothing is written there."""
+    model = linked_copy(demo_model, tmp_path / "model")
+    copy = linked_copy(w8a8, tmp_path / "ckpt", leave_out=(REPORT,))
+    calibration = json.loads((w8a8 / REPORT).read_text())
+    calibration["model"]["path"] = str(model)
+    (copy / REPORT).write_text(json.dumps(calibration))
+    before = sorted(model.iterdir())
+    result = run_kvcalib("eval", copy, option, model / "out", "--engine")
+    assert_error(result, 2, f"is inside the input folder {model}")
+    assert sorted(model.iterdir()) == before
+
+
 def test_mismatched_reference_is_refused(w8a8, tiny_model):
     result = run_kvcalib("eval", w8a8, "--reference", tiny_model("llama"),
                          "--passkey-lengths", "")
