@@ -21,8 +21,8 @@ def read_request(path):
     """The REQUEST.json kvcalib wrote, with vLLM's settings set before vLLM is imported
     (it reads them at import): the CPU KV space asked for, and the engine core in the
     probe's own process unless the caller's environment says otherwise. A probe is vLLM's
-    only client, and without the EngineCore process SmolLM2's engine starts in about half
-    the time (21-25 s against 44-54 s on 2 cores)."""
+    only client, and without the EngineCore process a probe on SmolLM2 took 16-20 s
+    instead of 42-46 s on 2 cores (docs/benchmarks.md)."""
     with open(path) as f:
         request = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("cpu_kv_space_gib", 1)))
