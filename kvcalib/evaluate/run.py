@@ -41,6 +41,10 @@ from kvcalib.checkpoint.safetensors import file_tensors
 from kvcalib.checkpoint.write import write_with_kv_scales
 from kvcalib.checks import FAIL, WARN, Check
 from kvcalib.data import DatasetSpec, Samples, corpus, select_samples
+from kvcalib.engine.compare import compare_runs
+from kvcalib.engine.interpreter import resolve_vllm_python
+from kvcalib.engine.log import LogFacts
+from kvcalib.engine.process import ProbeRequest, ProbeRun, log_folder, run_probe
 from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import formats as format_comparison
 from kvcalib.evaluate import separate
@@ -51,7 +55,6 @@ from kvcalib.evaluate.result import EvalResult, gate_checks
 from kvcalib.evaluate.sweep import sweep
 from kvcalib.kvcache import capacity, geometry, simulate
 from kvcalib.text import Log, stderr
-from kvcalib.verify import engine
 
 
 def load_model(ckpt: Checkpoint, dtype: str):
@@ -343,22 +346,22 @@ def _engine_cross_check(ckpt: Checkpoint, samples: Samples, options: EngineCheck
     """vLLM prompt log-probs on the same token ids, with fp8 and with the model dtype; with
     an unquantized `reference`, also the weights-only, KV-only and combined rows."""
     try:
-        python, _ = engine.resolve_vllm_python(options.vllm_python)
+        python, _ = resolve_vllm_python(options.vllm_python)
     except UsageError as exc:
         return {"error": str(exc)}
-    log_dir = Path(options.log_dir or engine.log_folder("eval", ckpt.folder))
+    log_dir = Path(options.log_dir or log_folder("eval", ckpt.folder))
     baseline = geometry.cache_dtype(ckpt.geometry and ckpt.geometry.dtype)
 
-    def probe(folder: Path, dtype: str, name: str) -> engine.ProbeRun:
+    def probe(folder: Path, dtype: str, name: str) -> ProbeRun:
         log_path = log_dir / f"vllm-{name}.log"
         log(f"Starting vLLM on {folder.name} with kv_cache_dtype={dtype}; log: {log_path}")
-        ask = engine.ProbeRequest(folder, dtype, max(map(len, samples.token_ids)) + 8,
-                                  prompts=samples.token_ids, max_tokens=1)
-        return engine.run_probe(python, ask, log_path)
+        ask = ProbeRequest(folder, dtype, max(map(len, samples.token_ids)) + 8,
+                           prompts=samples.token_ids, max_tokens=1)
+        return run_probe(python, ask, log_path)
 
     runs = {dtype: probe(ckpt.folder, dtype, dtype) for dtype in ("fp8", baseline)}
     fp8, base = runs["fp8"], runs[baseline]
-    result = engine.compare_runs(fp8, base)
+    result = compare_runs(fp8, base)
     result["logs"] = {k: str(v.log_path) for k, v in runs.items()}
     if not fp8.started:
         result["error"] = fp8.result.get("error") or "vLLM did not start with fp8"
@@ -373,9 +376,9 @@ def _engine_cross_check(ckpt: Checkpoint, samples: Samples, options: EngineCheck
                 write_with_kv_scales(reference.folder, ckpt, view)
                 kv_only = probe(view, "fp8", "kv-only")
             except KvcalibError as exc:  # a row of its own, not the whole eval
-                kv_only = engine.ProbeRun("fp8", {"started": False, "error": f"no KV-only "
-                                                  f"view: {exc}"}, log_dir / "vllm-kv-only.log",
-                                          engine.LogFacts(), 0.0)
+                kv_only = ProbeRun("fp8", {"started": False, "error": f"no KV-only "
+                                           f"view: {exc}"}, log_dir / "vllm-kv-only.log",
+                                   LogFacts(), 0.0)
         ref = probe(reference.folder, baseline, "reference")
         result["separate"] = separate.engine_rows(
             ref, {separate.WEIGHTS: base, separate.KV: kv_only, separate.BOTH: fp8})

@@ -9,7 +9,7 @@ cache), on the same held-out tokens:
 - KV only: the unquantized weights with the checkpoint's KV scales (simulated cache);
 - both: the checkpoint's weights with its KV scales.
 Whether the combination's KL is more than the sum of the two separate ones is a paired
-bootstrap over the samples (kvcalib.evaluate.stats), as every comparison eval prints.
+bootstrap over the samples (kvcalib.stats), as every comparison eval prints.
 
 The reference is `--reference`, else the calibration report's input model when that
 folder still exists, is unquantized and is the same model (architecture, parameter
@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from kvcalib import stats
 from kvcalib.checkpoint.read import Checkpoint, open_model
+from kvcalib.engine.compare import logprob_agreement
+from kvcalib.engine.process import ProbeRun
 from kvcalib.errors import KvcalibError, UsageError
-from kvcalib.evaluate import stats
 from kvcalib.evaluate.metrics import Metrics, compare_to, difference
-from kvcalib.verify.engine import ProbeRun, logprob_agreement
 
 REFERENCE = "reference (unquantized weights, 16-bit cache)"
 WEIGHTS = "weights only (16-bit cache)"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvcalib.evaluate import stats
+from kvcalib import stats
 from kvcalib.evaluate.metrics import score
 from kvcalib.kvcache import simulate
 

@@ -281,7 +281,7 @@ def _eval(data: dict[str, Any]) -> list[str]:
 
 def _bench(data: dict[str, Any]) -> list[str]:
     """kvcalib bench's table: median over the repeats, range in brackets."""
-    from kvcalib.evaluate.serving import CacheRun
+    from kvcalib.bench.result import CacheRun
 
     if "summary_markdown" in data or "caches" not in data:
         return generic(data)

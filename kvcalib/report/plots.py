@@ -16,11 +16,11 @@ from kvcalib.errors import UsageError
 from kvcalib.files import atomic_output_file
 
 if TYPE_CHECKING:  # the results drawn; each command imports only its own
+    from kvcalib.bench.result import BenchResult
     from kvcalib.checkpoint.inspect import Inspection
     from kvcalib.checkpoint.report_file import CalibrationReport
-    from kvcalib.evaluate.lm_eval import LmEvalResult
     from kvcalib.evaluate.result import EvalResult
-    from kvcalib.evaluate.serving import BenchResult
+    from kvcalib.lmeval.result import LmEvalResult
 
 # ----- what each result is drawn as ----- #
 

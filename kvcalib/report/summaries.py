@@ -14,14 +14,14 @@ from kvcalib.text import index_ranges, size, value_range
 Render = Callable[[Sequence[str], Sequence[Sequence[Any]]], str]  # tables.table, markdown_table
 
 if TYPE_CHECKING:  # the results summarized; each command imports only its own
+    from kvcalib.bench.result import BenchResult, CacheRun
     from kvcalib.checkpoint.convert import Conversion
     from kvcalib.checkpoint.inspect import Inspection
     from kvcalib.checkpoint.report_file import CalibrationReport
-    from kvcalib.evaluate.lm_eval import LmEvalResult
     from kvcalib.evaluate.metrics import Metrics
     from kvcalib.evaluate.result import EvalResult
-    from kvcalib.evaluate.serving import BenchResult, CacheRun
     from kvcalib.kvcache.capacity import Estimate
+    from kvcalib.lmeval.result import LmEvalResult
     from kvcalib.verify.run import VerifyResult
 
 # ----- run ----- #

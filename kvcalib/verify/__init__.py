@@ -1,5 +1,5 @@
 """Stage 3, `kvcalib verify`: the static checks, then vLLM started in the serving
-environment (engine, probe/) and every loaded scale read back (run.verify)."""
+environment (kvcalib.engine) and every loaded scale read back (run.verify)."""
 
 from kvcalib import exports
 

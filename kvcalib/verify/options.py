@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from kvcalib.choices import OptionGroup, comma_separated, option
+from kvcalib.engine.interpreter import vllm_python_option
 from kvcalib.errors import UsageError
-
-
-def vllm_python_option() -> Any:
-    """The option naming the serving environment's interpreter (verify, eval --engine)."""
-    return option(None, "Python of the serving environment (default: $KVCALIB_VLLM_PYTHON, "
-                  "this interpreter if it has vLLM, or the env `make setup` made).")
 
 
 @dataclass(frozen=True)

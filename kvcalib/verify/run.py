@@ -25,10 +25,13 @@ import numpy as np
 from kvcalib.checkpoint.read import Checkpoint, Scale, open_checkpoint, short
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
 from kvcalib.data import corpus
+from kvcalib.engine.compare import compare_runs
+from kvcalib.engine.interpreter import resolve_vllm_python
+from kvcalib.engine.log import HARDWARE
+from kvcalib.engine.process import ProbeRequest, ProbeRun, log_folder, run_probe
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import geometry
 from kvcalib.text import Log, stderr
-from kvcalib.verify import engine
 from kvcalib.verify.options import EngineOptions
 
 COMPARE_PROMPTS = 4
@@ -64,11 +67,11 @@ def verify(folder: str | Path, *, static_only: bool = False,
         checks.append(Check("engine", SKIP, "--static-only: vLLM was not started"))
         return result
     try:
-        python, source = engine.resolve_vllm_python(options.vllm_python)
+        python, source = resolve_vllm_python(options.vllm_python)
     except UsageError as exc:
         checks.append(Check("engine", ERROR, str(exc)))
         return result
-    log_dir = Path(log_dir) if log_dir else engine.log_folder("verify", folder)
+    log_dir = Path(log_dir) if log_dir else log_folder("verify", folder)
     kv_cache_dtype = options.kv_cache_dtype
     runs = [(kv_cache_dtype, kv_cache_dtype)]
     if options.compare_auto:
@@ -79,14 +82,14 @@ def verify(folder: str | Path, *, static_only: bool = False,
     for label, dtype in runs:
         log_path = log_dir / f"vllm-{dtype}.log"
         log(f"Starting vLLM with kv_cache_dtype={dtype} ({python}); log: {log_path}")
-        ask = engine.ProbeRequest(folder, dtype, options.max_model_len,
-                                  options.kv_cache_dtype_skip_layers or [],
-                                  compare_prompts() if options.compare_auto else [])
-        probes[label] = engine.run_probe(python, ask, log_path, options.timeout)
+        ask = ProbeRequest(folder, dtype, options.max_model_len,
+                           options.kv_cache_dtype_skip_layers or [],
+                           compare_prompts() if options.compare_auto else [])
+        probes[label] = run_probe(python, ask, log_path, options.timeout)
         result.engine["runs"][label] = _run_summary(probes[label])
     checks += _engine_checks(probes[kv_cache_dtype], ckpt)
     if options.compare_auto:
-        comparison = engine.compare_runs(*probes.values())
+        comparison = compare_runs(*probes.values())
         result.engine["compare_auto"] = comparison
         checks += _compare_checks(comparison)
     return result
@@ -97,7 +100,7 @@ def compare_prompts() -> list[str]:
     return [doc["text"][:COMPARE_PROMPT_CHARS] for doc in corpus.documents()[:COMPARE_PROMPTS]]
 
 
-def _run_summary(run: engine.ProbeRun) -> dict[str, Any]:
+def _run_summary(run: ProbeRun) -> dict[str, Any]:
     facts = run.facts
     return {"kv_cache_dtype": run.kv_cache_dtype, "started": run.started,
             "error": run.result.get("error"), "root_cause": facts.root_cause,
@@ -109,7 +112,7 @@ def _run_summary(run: engine.ProbeRun) -> dict[str, Any]:
             "scales": run.result.get("scales")}
 
 
-def _engine_checks(run: engine.ProbeRun, ckpt: Checkpoint) -> list[Check]:
+def _engine_checks(run: ProbeRun, ckpt: Checkpoint) -> list[Check]:
     """The start, the log before the probe's answer, capacity and the read-back; what vLLM
     printed while shutting down after the answer is a note."""
     facts = run.facts
@@ -139,7 +142,7 @@ def _engine_checks(run: engine.ProbeRun, ckpt: Checkpoint) -> list[Check]:
     return checks
 
 
-def _start_check(run: engine.ProbeRun) -> Check:
+def _start_check(run: ProbeRun) -> Check:
     """Whether vLLM started and answered, and if not, why: the root cause in full."""
     facts, error = run.facts, run.result.get("error") or ""
     if run.started and not error:
@@ -149,7 +152,7 @@ def _start_check(run: engine.ProbeRun) -> Check:
     if facts.hardware and not run.started:
         hint = (" Verify on the serving hardware, or pass --kv-cache-dtype bfloat16 to check "
                 "here that the scales load (FP8 storage is then not exercised)."
-                if engine.HARDWARE.search(facts.hardware) else
+                if HARDWARE.search(facts.hardware) else
                 " Verify on the serving hardware.")
         said = f"\nvLLM: {facts.root_cause}" if facts.root_cause else ""
         return Check("engine", ERROR, f"cannot check on this machine: {facts.hardware}.{hint}"
@@ -161,7 +164,7 @@ def _start_check(run: engine.ProbeRun) -> Check:
     return Check("engine", FAIL, f"{what}: {cause}", value={"error": error, "root_cause": cause})
 
 
-def _readback_checks(run: engine.ProbeRun, ckpt: Checkpoint) -> list[Check]:
+def _readback_checks(run: ProbeRun, ckpt: Checkpoint) -> list[Check]:
     """Every attention layer's loaded scales must equal the checkpoint's values."""
     scheme, shape = ckpt.scheme, ckpt.geometry
     fp8_cache = run.kv_cache_dtype.startswith("fp8")

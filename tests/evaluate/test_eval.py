@@ -27,9 +27,9 @@ from kvcalib.evaluate import (
     Simulation,
     evaluate,
 )
-from kvcalib.evaluate.stats import MIN_SAMPLES
+from kvcalib.stats import MIN_SAMPLES
 
-# the fewest samples that give intervals (kvcalib.evaluate.stats)
+# the fewest samples that give intervals (kvcalib.stats)
 SMALL = HeldOut(num_samples=MIN_SAMPLES, max_seq_len=96)
 ONE_SAMPLE = HeldOut(num_samples=1, max_seq_len=48)
 

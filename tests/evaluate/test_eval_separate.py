@@ -23,7 +23,7 @@ import torch
 from conftest import assert_error, kvcalib_run, linked_copy, run_kvcalib
 from reference import _load, dequantized_model
 
-# 12 samples: the fewest that eval draws intervals from (kvcalib.evaluate.stats).
+# 12 samples: the fewest that eval draws intervals from (kvcalib.stats).
 SAMPLES, TOKENS = 12, 32
 WEIGHTS = "weights only (16-bit cache)"
 KV = "KV only (unquantized weights, FP8 cache)"

@@ -229,7 +229,8 @@ def test_shutdown_noise_after_the_answer_is_a_note(verify_readback, smol_attn_he
     (tests/logs/shutdown-nosuchprocess.log) after the answer: still a pass, and a note."""
     from kvcalib.checkpoint import open_checkpoint
     from kvcalib.checks import exit_code
-    from kvcalib.verify import engine
+    from kvcalib.engine.log import parse_log
+    from kvcalib.engine.process import ProbeRun
     from kvcalib.verify import run as verification
 
     run = verify_readback["report"]["engine"]["runs"][readback_dtype]
@@ -237,8 +238,8 @@ def test_shutdown_noise_after_the_answer_is_a_note(verify_readback, smol_attn_he
     log = tmp_path / "vllm.log"
     log.write_text((verify_readback["dir"] / f"vllm-{readback_dtype}.log").read_text()
                    + noise[noise.index("Traceback"):])
-    probe = engine.ProbeRun(readback_dtype, {"started": True, "scales": run["scales"]}, log,
-                            engine.parse_log(log.read_text()), run["seconds"])
+    probe = ProbeRun(readback_dtype, {"started": True, "scales": run["scales"]}, log,
+                     parse_log(log.read_text()), run["seconds"])
     checks = verification._engine_checks(probe, open_checkpoint(smol_attn_head)[0])
     assert exit_code(checks) == 0
     assert [c.status for c in checks if c.group == "readback"] == ["pass"] * 60

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcalib.engine.log import LogFacts
+from kvcalib.engine.process import ProbeRun
 from kvcalib.evaluate.separate import BOTH, KV, WEIGHTS, engine_rows
-from kvcalib.verify.engine import LogFacts, ProbeRun
 
 PROMPTS, POSITIONS = 12, 5
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import KVCALIB, ctrl_c_reaches_it
-from kvcalib.verify.engine import end_process_group
+from kvcalib.engine.process import end_process_group
 
 # The probe runs vLLM's engine core in its own process by default; these tests ask for
 # vLLM's multi-process engine, the widest tree to end (EngineCore, its worker, a tracker).

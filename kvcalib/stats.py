@@ -8,7 +8,7 @@ difference whose interval includes zero is within noise.
 
 Below MIN_SAMPLES samples no interval is drawn: the percentile bootstrap's coverage falls
 far short of 95% there (about half with 2 samples, whose paired bootstrap has 3 distinct
-resamples), and callers say "too few samples to tell" instead. tests/evaluate/test_stats.py
+resamples), and callers say "too few samples to tell" instead. tests/test_stats.py
 measures the coverage by simulation at the sample counts kvcalib uses.
 
 A statistic maps resampled per-sample values, shape (resamples, samples, ...), to one
@@ -27,7 +27,7 @@ import numpy as np
 
 Statistic = Callable[[np.ndarray], np.ndarray]
 
-# The fewest samples an interval is drawn from. Measured (tests/evaluate/test_stats.py,
+# The fewest samples an interval is drawn from. Measured (tests/test_stats.py,
 # 400 simulated data sets each, per-sample KL normal or log-normal(0.5), and paired
 # differences): the nominal 95% interval holds the true value 89-94% of the time from 12
 # samples on, 87-89% with 8, 79-82% with 4 and 46-51% with 2.
@@ -129,3 +129,23 @@ def samples_needed(comparison: Comparison, *, confidence: float = 0.95,
     z = NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(power)
     needed = comparison.samples * (z * comparison.difference_se / difference) ** 2
     return max(2, math.ceil(needed))
+
+
+def mcnemar(b: int, c: int) -> float:
+    """McNemar's exact test: the two-sided binomial p-value of b successes in b + c
+    discordant pairs with p = 1/2 (1.0 when there are none)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def wilson(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval of a proportion: unlike a bootstrap of 0/1 scores, it does
+    not shrink to a point at 0% or 100% (50 of 50 right: 92.9% to 100%)."""
+    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -28,9 +28,8 @@ Exit codes: 0 ok, 3 lm-eval or vLLM cannot be imported, 4 the engine failed to s
 import os
 import sys
 import time
-import traceback
 
-from answer_file import LM_EVAL_PROBE_SCHEMA, error_text, finish, read_request, shutdown
+from probe_protocol import LM_EVAL_PROBE_SCHEMA, error_text, failed, finish, read_request, shutdown
 
 
 def _needle(doc, target):
@@ -110,15 +109,12 @@ def main():
         lm = VLLM(pretrained=model, kv_cache_dtype=request["kv_cache_dtype"],
                   max_model_len=request["max_model_len"], enforce_eager=True, seed=0)
     except Exception as exc:
-        traceback.print_exc()
-        result["error"] = error_text(exc)
-        return finish(result, result_path, 4)
+        return failed(result, result_path, exc, 4)
     result["started"] = True
     result["start_seconds"] = round(time.perf_counter() - started, 2)
     runs = [(request["length_tasks"], length) for length in request["lengths"]]
     if request["plain_tasks"]:
         runs.append((request["plain_tasks"], None))
-    code = 0
     try:
         for tasks, length in runs:
             if not tasks:
@@ -133,11 +129,9 @@ def main():
                                           bootstrap_iters=0, random_seed=0,
                                           numpy_random_seed=1234, torch_random_seed=1234)
             result["samples"] += _samples(out["samples"], length)
+        code = finish(result, result_path, 0)
     except Exception as exc:
-        traceback.print_exc()
-        result["error"] = error_text(exc)
-        code = 5
-    code = finish(result, result_path, code)
+        code = failed(result, result_path, exc, 5)
     shutdown(lm.model.llm_engine.engine_core)
     return code
 

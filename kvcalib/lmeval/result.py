@@ -1,92 +1,21 @@
-"""Task accuracy through lm-evaluation-harness's vLLM backend: the model-dtype cache
-(`auto`), an FP8 cache at scale 1.0 (the same weights without KV scales) and an FP8 cache
-with the checkpoint's scales, on the same examples, compared example by example.
-
-The default suite is RULER's needle-in-a-haystack tasks that build their haystacks
-locally (niah_single_1: a repeated filler text; niah_multikey_2/3: a haystack of
-distractor needles), at each context length asked for. The essay variants (niah_single_2/3,
-niah_multikey_1, niah_multivalue, niah_multiquery) download Paul Graham's essays and need
-NLTK's punkt_tab; they run only where both are already on disk. Any other lm-eval task
-runs the same way, where its data can be had offline.
-
-Each configuration is one engine start (kvcalib/verify/probe/lm_eval_probe.py in the
-serving environment); `auto` is given to vLLM by the model dtype's name, since vLLM
-resolves `auto` to fp8 for a checkpoint with a kv_cache_scheme. Examples are paired by
-(task, length, doc id), and must have the same prompt in every configuration. Two
-configurations are compared by McNemar's exact test on the examples only one of them gets
-right, and by a paired bootstrap interval of their accuracy difference; "better" is said
-only when both are outside noise.
-"""
+"""What `kvcalib lm-eval` found: accuracy per configuration, task, length and needle depth,
+paired comparisons, recovery and the release checks."""
 
 from __future__ import annotations
 
-import math
-import tempfile
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
-from kvcalib.checkpoint.layouts import find_scales
-from kvcalib.checkpoint.safetensors import tensor_index
-from kvcalib.checkpoint.write import write_without_kv_scales
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, exit_code
-from kvcalib.choices import OptionGroup, option
 from kvcalib.errors import UsageError
-from kvcalib.evaluate.stats import MIN_SAMPLES, bootstrap, paired_bootstrap, too_few
-from kvcalib.files import load_config
-from kvcalib.kvcache import geometry
-from kvcalib.verify import engine
-from kvcalib.verify.options import vllm_python_option
-from kvcalib.verify.probe_answer import LmEvalAnswer
+from kvcalib.lmeval.options import AUTO, FP8, SCALE_ONE
+from kvcalib.stats import MIN_SAMPLES, bootstrap, mcnemar, paired_bootstrap, too_few, wilson
 
-PROBE = engine.PROBE.parent / "lm_eval_probe.py"
-OFFLINE_NIAH = ["niah_single_1", "niah_multikey_2", "niah_multikey_3"]
-# RULER tasks whose data are generated per context length (lm_eval/tasks/ruler/).
-RULER = {*OFFLINE_NIAH, "niah_single_2", "niah_single_3", "niah_multikey_1",
-         "niah_multivalue", "niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
-         "ruler_qa_squad", "ruler_qa_hotpot"}
-AUTO, SCALE_ONE, FP8 = "auto", "fp8-scale-one", "fp8"
-CONFIGS = {AUTO: "auto", SCALE_ONE: "fp8", FP8: "fp8"}  # name -> vLLM kv_cache_dtype
 DEPTH_BUCKETS = 5  # needle depth in fifths of the haystack
 ALPHA = 0.05  # McNemar's significance level
-
-
-@dataclass(frozen=True)
-class LmEvalOptions(OptionGroup):
-    """The tasks, lengths and configurations, the recovery gate, and how vLLM starts."""
-
-    tasks: list[str] = option(OFFLINE_NIAH, "lm-eval tasks, comma separated (RULER tasks "
-                              "run at every --lengths).", comma=str)
-    lengths: list[int] = option([1024], "Context lengths (tokens) of the RULER tasks, "
-                                "comma separated.", comma=int, low=256)
-    limit: int = option(20, "Examples per task and length.", low=1)
-    configs: list[str] = option(list(CONFIGS), "Configurations: auto (model-dtype cache), "
-                                "fp8-scale-one (FP8 without the checkpoint's scales), fp8 "
-                                "(with them); comma separated.", comma=str)
-    min_recovery: float = option(0.95, "Fail (exit 1) when FP8 with the checkpoint's scales "
-                                 "keeps less than this fraction of auto's accuracy.",
-                                 low=0, high=10)
-    max_model_len: int | None = option(None, "vLLM max_model_len (default: the largest "
-                                       "--lengths).", low=1)
-    vllm_python: str | None = vllm_python_option()
-    timeout: float = option(3600, "Seconds each configuration may take.", low=1)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        unknown = [c for c in self.configs if c not in CONFIGS]
-        if unknown or not self.configs:
-            raise UsageError(f"unknown --configs {', '.join(unknown) or '(none)'}; choose "
-                             f"from {', '.join(CONFIGS)}")
-        if not self.tasks:
-            raise UsageError("--tasks names no task")
-        if self.max_model_len is not None and self.max_model_len < max(self.lengths):
-            raise UsageError(f"--max-model-len {self.max_model_len} is below the longest "
-                             f"--lengths {max(self.lengths)}")
 
 
 @dataclass
@@ -100,16 +29,6 @@ class ConfigRun:
     log: str | None = None
     start_seconds: float | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)
-
-
-def mcnemar(b: int, c: int) -> float:
-    """McNemar's exact test: the two-sided binomial p-value of b successes in b + c
-    discordant pairs with p = 1/2 (1.0 when there are none)."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def depth_bucket(needle: list[int] | None) -> str | None:
@@ -131,7 +50,7 @@ def score(sample: dict[str, Any]) -> float:
     return float(next(iter(metrics.values())))
 
 
-def _records(probe: dict[str, Any]) -> list[dict[str, Any]]:
+def records(probe: dict[str, Any]) -> list[dict[str, Any]]:
     """The probe's samples, one per example (the task's first filter only)."""
     first_filter: dict[str, str] = {}
     rows = []
@@ -256,16 +175,6 @@ class LmEvalResult:
                 "samples": [{"config": c.name, **s} for c in self.configs for s in c.samples]}
 
 
-def wilson(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson's score interval of a proportion: unlike a bootstrap of 0/1 scores, it does
-    not shrink to a point at 0% or 100% (50 of 50 right: 92.9% to 100%)."""
-    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def _accuracy(scores: list[float]) -> dict[str, Any]:
     """Mean score with its 95% interval: Wilson's for right/wrong scores, a bootstrap for
     partial ones (tasks that score a fraction of several needles)."""
@@ -309,68 +218,3 @@ def compare(a: str, a_samples: list[dict[str, Any]], b: str,
     else:
         found["verdict"] = "within noise"
     return found
-
-
-def lm_eval(checkpoint: str | Path, options: LmEvalOptions, log_dir: Path,
-            log: Callable[[str], None]) -> LmEvalResult:
-    """One engine start per configuration; every example's score, paired."""
-    folder, python = engine.serving_checkpoint(checkpoint, options.vllm_python)
-    notes = []
-    if FP8 in options.configs and not find_scales(tensor_index(folder))[0]:
-        notes.append("the checkpoint has no KV scales: fp8 runs at scale 1.0 too")
-    fp8_ok = any(CONFIGS[c] == "fp8" for c in options.configs) and engine.fp8_kv_supported(python)
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="kvcalib-scale-one-") as scratch:
-        for name in options.configs:
-            dtype = CONFIGS[name]
-            if dtype == "fp8" and not fp8_ok:
-                runs.append(ConfigRun(name, dtype, False, engine.FP8_KV_UNSUPPORTED))
-                log(f"{name}: skipped, {runs[-1].reason}")
-                continue
-            model = folder
-            if name == SCALE_ONE:
-                model = Path(scratch) / folder.name
-                model.mkdir()
-                dropped = write_without_kv_scales(folder, model)
-                log(f"{name}: {len(dropped)} KV scale tensors left out of a linked view")
-            runs.append(_score(python, name, model, options, log_dir, log))
-    return LmEvalResult(str(checkpoint), _described(options), runs, python, notes)
-
-
-def _described(options: LmEvalOptions) -> dict[str, Any]:
-    return {"tasks": options.tasks, "lengths": options.lengths, "limit": options.limit,
-            "configs": options.configs, "min_recovery": options.min_recovery,
-            "max_model_len": options.max_model_len or max(options.lengths)}
-
-
-@dataclass(frozen=True)
-class LmEvalRequest:
-    """The lm-eval probe's REQUEST.json (see lm_eval_probe.py)."""
-
-    model: Path
-    kv_cache_dtype: str
-    max_model_len: int
-    length_tasks: list[str]
-    plain_tasks: list[str]
-    lengths: list[int]
-    limit: int
-
-
-def _score(python: str, name: str, model: Path, options: LmEvalOptions, log_dir: Path,
-           log: Callable[[str], None]) -> ConfigRun:
-    dtype = geometry.served_cache_dtype(CONFIGS[name], load_config(model))
-    ask = LmEvalRequest(model, dtype, options.max_model_len or max(options.lengths),
-                        [t for t in options.tasks if t in RULER],
-                        [t for t in options.tasks if t not in RULER], options.lengths,
-                        options.limit)
-    log_path = log_dir / f"lm-eval-{name}.log"
-    log(f"{name}: lm-eval through vLLM with kv_cache_dtype={dtype}; log: {log_path}")
-    probe = engine.run_probe(python, ask, log_path, options.timeout, script=PROBE,
-                             answer=LmEvalAnswer)
-    result = probe.result
-    if result.get("error"):
-        why = probe.facts.hardware or result["error"]
-        return ConfigRun(name, dtype, False, why.splitlines()[-1], str(log_path),
-                         result.get("start_seconds"))
-    return ConfigRun(name, dtype, True, None, str(log_path), result.get("start_seconds"),
-                     _records(result))

@@ -8,8 +8,8 @@ LMCache/LMCache#1739); the older warning wording from vLLM before PR #25968.
 from __future__ import annotations
 
 from conftest import TESTS
-from kvcalib.verify.engine import exceptions, parse_log
-from kvcalib.verify.probe.answer_file import ANSWERED
+from kvcalib.engine.log import exceptions, parse_log
+from kvcalib.engine.scripts.probe_protocol import ANSWERED
 
 CURRENT = """\
 (MainProcess pid=7362) INFO 12-02 14:28:42 [cache.py:361] Using fp8 data type to store kv cache. It reduces the GPU memory footprint and boosts the performance. Meanwhile, it may cause accuracy drop without a proper scaling factor

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from kvcalib.evaluate import stats
+from kvcalib import stats
 
 
 def test_interval_endpoints_match_the_exact_bootstrap_distribution():

@@ -22,9 +22,8 @@ but the scales or outputs could not be read.
 import os
 import sys
 import time
-import traceback
 
-from answer_file import VLLM_PROBE_SCHEMA, error_text, finish, read_request, shutdown
+from probe_protocol import VLLM_PROBE_SCHEMA, error_text, failed, finish, read_request, shutdown
 
 
 def read_scales(model):
@@ -97,12 +96,9 @@ def main():
             seed=0,
         )
     except Exception as exc:
-        traceback.print_exc()  # the root cause, for the log's reader
-        result["error"] = error_text(exc)
-        return finish(result, result_path, 4)
+        return failed(result, result_path, exc, 4)
     result["started"] = True
     result["start_seconds"] = round(time.perf_counter() - started, 2)
-    code = 0
     try:
         # Imported by name so that pickle finds read_scales in vLLM's worker processes.
         import vllm_probe
@@ -110,11 +106,9 @@ def main():
         result["scales"] = llm.apply_model(vllm_probe.read_scales)[0]
         if request.get("prompts"):
             result["outputs"] = _outputs(llm, request["prompts"], request.get("max_tokens", 16))
+        code = finish(result, result_path, 0)
     except Exception as exc:
-        traceback.print_exc()
-        result["error"] = error_text(exc)
-        code = 5
-    code = finish(result, result_path, code)
+        code = failed(result, result_path, exc, 5)
     shutdown(llm.llm_engine.engine_core)
     return code
 

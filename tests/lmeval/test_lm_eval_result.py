@@ -10,18 +10,9 @@ from math import comb
 import pytest
 
 from kvcalib.errors import UsageError
-from kvcalib.evaluate.lm_eval import (
-    AUTO,
-    FP8,
-    SCALE_ONE,
-    ConfigRun,
-    LmEvalResult,
-    compare,
-    depth_bucket,
-    mcnemar,
-    wilson,
-)
-from kvcalib.evaluate.stats import MIN_SAMPLES
+from kvcalib.lmeval.options import AUTO, FP8, SCALE_ONE
+from kvcalib.lmeval.result import ConfigRun, LmEvalResult, compare, depth_bucket
+from kvcalib.stats import MIN_SAMPLES, mcnemar, wilson
 
 
 def _binomial_two_sided(b: int, c: int) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import StrictBool, ValidationError
 
 from kvcalib.checkpoint.report_file import Record, describe
-from kvcalib.verify.probe.answer_file import LM_EVAL_PROBE_SCHEMA, VLLM_PROBE_SCHEMA
+from kvcalib.engine.scripts.probe_protocol import LM_EVAL_PROBE_SCHEMA, VLLM_PROBE_SCHEMA
 
 
 class ReadScale(Record):
@@ -47,7 +47,7 @@ class ProbeAnswer(Record):
 
 
 class LmEvalSample(Record):
-    """One example lm-eval scored (kvcalib/verify/probe/lm_eval_probe.py)."""
+    """One example lm-eval scored (kvcalib/engine/scripts/lm_eval_probe.py)."""
 
     task: str
     length: int | None

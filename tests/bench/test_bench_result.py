@@ -3,7 +3,7 @@ repeats, the useful concurrency (worst repeat within both targets) and the exit 
 
 from __future__ import annotations
 
-from kvcalib.evaluate.serving import BenchResult, CacheRun, spread, useful_concurrency
+from kvcalib.bench.result import BenchResult, CacheRun, spread, useful_concurrency
 
 
 def _row(concurrency: int, ttft: list[float], tpot: list[float]) -> dict:

@@ -1,9 +1,9 @@
-"""What every probe shares with kvcalib: the request it reads, the answer it writes and
-the line that marks the answer in the log.
+"""The one protocol between kvcalib and its probes: the request a probe reads, the answer
+it writes, and the line that marks the answer in the log.
 
 Plain Python only. A probe runs as a script in the serving environment, where its folder
-is sys.path[0] and this module is imported by name (`import answer_file`); kvcalib imports
-it as kvcalib.verify.probe.answer_file for the constants.
+is sys.path[0] and this module is imported by name (`import probe_protocol`); kvcalib
+imports it as kvcalib.engine.scripts.probe_protocol for the constants.
 """
 
 import json
@@ -12,7 +12,7 @@ import sys
 import traceback
 
 ANSWERED = "kvcalib-probe: answer written; what follows is vLLM's shutdown"
-VLLM_PROBE_SCHEMA = 1  # of vllm_probe.py's answer; kvcalib.verify.probe_answer reads it
+VLLM_PROBE_SCHEMA = 1  # of vllm_probe.py's answer; kvcalib.engine.answers reads it
 LM_EVAL_PROBE_SCHEMA = 1  # of lm_eval_probe.py's answer
 SHUTDOWN_TIMEOUT_S = 60  # vLLM's own default (5 s) force-kills a worker still exiting
 
@@ -40,6 +40,14 @@ def finish(result, path, code):
     sys.stderr.flush()
     print(ANSWERED, flush=True)
     return code
+
+
+def failed(result, path, exc, code):
+    """Answer with `exc` as the error and `code`, its traceback printed into the log first
+    (the root cause, for the log's reader)."""
+    traceback.print_exc()
+    result["error"] = error_text(exc)
+    return finish(result, path, code)
 
 
 def error_text(exc):

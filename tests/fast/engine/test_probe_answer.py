@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvcalib.verify.probe_answer import load_probe_answer
+from kvcalib.engine.answers import load_probe_answer
 
 GOOD = {"schema_version": 1, "started": True, "error": None, "vllm_version": "0.32.0",
         "platform": {"device": "cpu", "avx512": True, "amx": False}, "start_seconds": 41.5,
