@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvcalib.errors import UsageError
-from kvcalib.files import load_config
+from kvcalib.reads import load_config
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a hub model download fetches (`estimate` fetches only config.json).

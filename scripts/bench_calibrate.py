@@ -202,7 +202,7 @@ def output_step(model_dir: Path, target: Path, mode: str) -> tuple[float, int]:
     """Seconds and bytes written by run's output step, with every scale a new tensor."""
     from kvcalib.checkpoint import open_model, write_checkpoint
     from kvcalib.checkpoint.safetensors import raw
-    from kvcalib.files import atomic_output_dir
+    from kvcalib.writes import atomic_output_dir
 
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     scales = {f"model.layers.{i}.self_attn.{kind}_scale": raw(torch.full((8, 1, 1), 0.01,

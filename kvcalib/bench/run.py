@@ -28,9 +28,9 @@ from kvcalib.engine.interpreter import FP8_KV_UNSUPPORTED, fp8_kv_supported, ser
 from kvcalib.engine.log import parse_log
 from kvcalib.engine.process import SCRIPTS
 from kvcalib.engine.server import ServerFailed, serve
-from kvcalib.files import load_config
 from kvcalib.kvcache import geometry
 from kvcalib.kvcache.capacity import parse_budget
+from kvcalib.reads import load_config
 
 BENCH = SCRIPTS / "vllm_bench.py"
 PREEMPTIONS = "vllm:num_preemptions_total"  # the server's Prometheus counter

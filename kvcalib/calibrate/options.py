@@ -19,7 +19,7 @@ from kvcalib.choices import (
 )
 from kvcalib.data import DatasetSpec
 from kvcalib.errors import UsageError
-from kvcalib.files import OVERWRITE_HELP
+from kvcalib.writes import OVERWRITE_HELP
 
 
 @dataclass(frozen=True)

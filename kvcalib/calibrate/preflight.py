@@ -19,14 +19,14 @@ from kvcalib.checkpoint.safetensors import (
     LONE_NAME,
     TensorInfo,
     file_tensors,
-    weight_files,
 )
 from kvcalib.checkpoint.write import choose_placement
 from kvcalib.dtypes import DTYPES
-from kvcalib.errors import CheckpointError, UsageError
-from kvcalib.files import check_output_target, load_config
+from kvcalib.errors import UsageError
 from kvcalib.hub import resolve_model
 from kvcalib.kvcache import geometry
+from kvcalib.reads import load_config
+from kvcalib.writes import check_output_target
 
 
 def check_launch(model: str | Path, output: str | Path, nproc: int, scales: ScaleOptions,
@@ -72,7 +72,7 @@ def preflight(model: str | Path, output: str | Path, scales: ScaleOptions,
         raise UsageError(f"{model_dir}: {which}{problems.describe()}. transformers would "
                          "fill missing weights at random and drop unexpected ones, so the "
                          "scales would not be the model's; nothing was loaded")
-    input_quant = weight_schemes.input_quantization(model_dir, source.config)
+    input_quant = weight_schemes.input_quantization(source)
     if scheme is not None and input_quant is not None:
         raise UsageError(f"--scheme quantizes the weights of an unquantized checkpoint, and "
                          f"{model_dir} is already weight-quantized; leave out --scheme to "
@@ -83,7 +83,7 @@ def preflight(model: str | Path, output: str | Path, scales: ScaleOptions,
                      "compressed-tensors")
     elif ranks.writer:
         placement = choose_placement(weights, [model_dir / name for name in
-                                               weight_files(model_dir)], target.parent)
+                                               source.weight_files], target.parent)
     settings = _compute_settings(source, compute.dtype)
     if not plan_memory:
         return Preflight(source, target, placement, settings, None, input_quant)
@@ -107,7 +107,7 @@ def _loaded_by_transformers(source: Checkpoint) -> tuple[dict[str, TensorInfo], 
     and every other file (modeling_utils._get_resolved_checkpoint_files); vLLM reads the
     index's files. A folder holding both would calibrate other weights than vLLM serves."""
     lone = source.folder / LONE_NAME
-    if not lone.is_file() or set(weight_files(source.folder)) == {LONE_NAME}:
+    if not lone.is_file() or set(source.weight_files) == {LONE_NAME}:
         return source.tensors, ""
     return (file_tensors(source.folder, LONE_NAME),
             f"transformers loads {LONE_NAME} alone when it exists (ignoring {INDEX_NAME} "
@@ -134,10 +134,6 @@ def _check_causal_lm(model_dir: Path) -> dict[str, Any]:
     if reason:
         raise UsageError(f"{model_dir}: {reason}. kvcalib writes no scales the engine would "
                          "not use")
-    try:
-        weight_files(model_dir)
-    except CheckpointError as exc:  # the input is unusable: not a failed check
-        raise UsageError(str(exc)) from None
     return config
 
 

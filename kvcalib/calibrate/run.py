@@ -53,8 +53,9 @@ from kvcalib.checkpoint.write import RECIPE_FILE, copy_side_files, write_checkpo
 from kvcalib.data import select_samples
 from kvcalib.dtypes import E4M3_MAX
 from kvcalib.errors import CheckFailed
-from kvcalib.files import atomic_output_dir, load_config
+from kvcalib.reads import load_config
 from kvcalib.text import Log, stderr
+from kvcalib.writes import atomic_output_dir
 
 # llm-compressor logs INFO lines and a CPU warning per stage; keep its errors only,
 # unless the user asks for more.

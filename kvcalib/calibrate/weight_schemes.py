@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcalib.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvcalib.checkpoint.read import Checkpoint
 
 # compressed-tensors formats whose weights transformers decompresses on the CPU:
 # FP8 and INT8 W8A8 (float-/int-quantized), W4A16 and W8A16 (pack-quantized).
@@ -77,7 +80,7 @@ def declared_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, 
     return quant
 
 
-def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+def input_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
     """The input's quantization_config when it quantizes weights, None when the checkpoint
     is unquantized or quantizes only the KV cache. A format kvcalib cannot load
     decompressed is refused here, before anything is loaded."""
@@ -86,7 +89,8 @@ def input_quantization(model_dir: Path, config: dict[str, Any]) -> dict[str, Any
 
     from kvcalib.checkpoint.report_file import describe
 
-    quant = declared_quantization(model_dir, config)
+    model_dir = ckpt.folder
+    quant = declared_quantization(model_dir, ckpt.config or {})
     if not quant:
         return None
     method = quant.get("quant_method")

@@ -30,7 +30,7 @@ from kvcalib.checkpoint.write import RECIPE_FILE, write_checkpoint
 from kvcalib.checks import FAIL, WARN
 from kvcalib.dtypes import BY_TORCH_NAME, DTYPES
 from kvcalib.errors import UsageError
-from kvcalib.files import atomic_output_dir, check_output_target
+from kvcalib.writes import atomic_output_dir, check_output_target
 
 TARGETS = tuple(layouts.SCALE_NAMES)
 # The dtype each format's own tool stores KV scales in ("model": the model's dtype).

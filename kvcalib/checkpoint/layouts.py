@@ -27,7 +27,7 @@ from typing import Any
 from kvcalib.checkpoint.safetensors import TensorInfo
 from kvcalib.dtypes import PLAIN_FLOATS
 from kvcalib.errors import CheckpointError
-from kvcalib.files import read_json
+from kvcalib.reads import read_json
 
 # module path with a layer number and an attention module, then the scale
 _ATTN = r"(?P<module>(?:.*\.)?(?P<layer>\d+)\.[^.]*att[^.]*)"

@@ -20,12 +20,12 @@ import numpy as np
 
 from kvcalib.checkpoint import expected, layouts
 from kvcalib.checkpoint.report_file import CalibrationReport, load_report
-from kvcalib.checkpoint.safetensors import TensorInfo, read_tensor, tensor_index
+from kvcalib.checkpoint.safetensors import TensorInfo, read_tensor, tensor_index, weight_files
 from kvcalib.checks import FAIL, PASS, WARN, Check
 from kvcalib.dtypes import DTYPES, E4M3_MAX, FLOATS
 from kvcalib.errors import KvcalibError, UsageError
-from kvcalib.files import load_config
 from kvcalib.kvcache import geometry
+from kvcalib.reads import load_config
 from kvcalib.text import index_ranges, value_range
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ class Checkpoint:
     scheme: layouts.KvScheme | None = None
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     scales: KvScales = field(default_factory=KvScales)
+    weight_files: tuple[str, ...] = ()  # the safetensors files a loader reads
 
     @cached_property
     def report(self) -> CalibrationReport | None:
@@ -118,7 +119,9 @@ def open_model(folder: Path, config: dict[str, Any] | None = None) -> Checkpoint
     raised (a CheckpointError), not a check."""
     if config is None:
         config = load_config(folder)
-    return Checkpoint(folder, config=config, tensors=tensor_index(folder))
+    files = weight_files(folder)
+    return Checkpoint(folder, config=config, tensors=tensor_index(folder, files),
+                      weight_files=tuple(files))
 
 
 def open_checkpoint(folder: str | Path) -> tuple[Checkpoint, list[Check]]:
@@ -142,7 +145,8 @@ def open_checkpoint(folder: str | Path) -> tuple[Checkpoint, list[Check]]:
     if ckpt.scheme is not None and (reason := geometry.unloadable_scales(config)):
         checks.append(Check("scheme", FAIL, f"vLLM will not load these scales: {reason}"))
     try:
-        ckpt = replace(ckpt, tensors=tensor_index(ckpt.folder))
+        files = weight_files(ckpt.folder)
+        ckpt = replace(ckpt, tensors=tensor_index(ckpt.folder, files), weight_files=tuple(files))
     except KvcalibError as exc:
         return ckpt, [*checks, Check("weights", FAIL, str(exc))]
     layer_check = _layers_check(ckpt.geometry, ckpt.tensors)

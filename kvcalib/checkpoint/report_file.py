@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvcalib.choices import Attention, Strategy
 from kvcalib.errors import CheckpointError
-from kvcalib.files import read_json
+from kvcalib.reads import read_json
 
 REPORT_FILE = "kvcalib_report.json"
 REPORT_SCHEMA_VERSION = 1

@@ -17,7 +17,8 @@ import numpy as np
 
 from kvcalib.dtypes import BY_TORCH_NAME, DTYPES, FP8_BITS
 from kvcalib.errors import CheckpointError
-from kvcalib.files import new_file, open_file, parse_json, read_json
+from kvcalib.reads import open_file, parse_json, read_json
+from kvcalib.writes import new_file
 
 INDEX_NAME = "model.safetensors.index.json"
 LONE_NAME = "model.safetensors"  # an unsharded checkpoint; transformers prefers it
@@ -144,12 +145,13 @@ def weight_files(folder: Path) -> list[str]:
     return files
 
 
-def tensor_index(folder: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint, from the headers only. With an index, each tensor
-    it names must be in the file it names, and each file's tensors must be in the index:
-    loaders look a tensor up in the index, so a header that disagrees loses weights."""
+def tensor_index(folder: Path, files: list[str] | None = None) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint (in `files`, default: its weight files), from the
+    headers only. With an index, each tensor it names must be in the file it names, and
+    each file's tensors must be in the index: loaders look a tensor up in the index, so a
+    header that disagrees loses weights."""
     index: dict[str, TensorInfo] = {}
-    for name in weight_files(folder):
+    for name in weight_files(folder) if files is None else files:
         for key, info in file_tensors(folder, name).items():
             if key in index:
                 raise CheckpointError(f"tensor {key[:200]} is in both {index[key].file.name} "

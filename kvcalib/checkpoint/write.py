@@ -41,7 +41,8 @@ from kvcalib.checkpoint.safetensors import (
     write_tensors,
 )
 from kvcalib.errors import CheckpointError, UsageError
-from kvcalib.files import load_config, new_file, read_json, write_new
+from kvcalib.reads import load_config, read_json
+from kvcalib.writes import new_file, write_new
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 SCALES_FILE = "kv_scales.safetensors"
@@ -126,7 +127,7 @@ def write_checkpoint(out: Path, source: Checkpoint, scales: dict[str, RawTensor]
                      leave_out: tuple[str, ...] = ()) -> None:
     """`source` into `out` with `scales` as its KV scales and `quant_config` as its
     quantization_config; every other tensor's bytes are the input's (see copy_weights)."""
-    weight_map = copy_weights(out, source.folder, leave_out, weights)
+    weight_map = copy_weights(out, source, leave_out, weights)
     write_tensors(out / SCALES_FILE, scales)
     weight_map.update(dict.fromkeys(scales, SCALES_FILE))
     total = sum((out / f).stat().st_size for f in set(weight_map.values()))
@@ -165,19 +166,19 @@ def output_names(files: list[str]) -> dict[str, str]:
     return names
 
 
-def copy_weights(out: Path, model_dir: Path, leave_out: tuple[str, ...] = (),
+def copy_weights(out: Path, source: Checkpoint, leave_out: tuple[str, ...] = (),
                  weights: str = "copy") -> dict[str, str]:
-    """Copy every file of `model_dir` but its config, index and calibration outputs (and
+    """Copy every file of `source` but its config, index and calibration outputs (and
     `leave_out`) into `out`; return the weight map of the copied tensors.
 
     Weight files are placed as `weights` says, byte for byte; a file that holds KV scale
     tensors is rewritten without them. A lone model.safetensors becomes a one-shard file,
     because transformers ignores the index when model.safetensors exists.
     """
-    names = output_names(weight_files(model_dir))
-    copy_side_files(out, model_dir, leave_out)
+    names = output_names(list(source.weight_files))
+    copy_side_files(out, source.folder, leave_out)
     weight_map, _ = _weight_files_without_scales(
-        out, model_dir, names, lambda source, target: place(source, target, weights))
+        out, source.folder, names, lambda src, target: place(src, target, weights))
     return weight_map
 
 

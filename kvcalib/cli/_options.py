@@ -18,13 +18,9 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import typer
 
 from kvcalib.choices import flag, hints
+from kvcalib.cli._paths import check_output_file, check_output_folder, refuse_outputs_in_inputs
 from kvcalib.errors import UsageError
-from kvcalib.files import (
-    OVERWRITE_HELP,
-    check_output_file,
-    check_output_folder,
-    refuse_outputs_in_inputs,
-)
+from kvcalib.writes import OVERWRITE_HELP
 
 STDOUT = "-"
 

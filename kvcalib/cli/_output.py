@@ -25,7 +25,7 @@ import typer
 from kvcalib.checks import Check
 from kvcalib.cli._options import STDOUT, engine_log_dir, is_stdout, keep_inputs_intact
 from kvcalib.errors import UsageError
-from kvcalib.files import write_json, write_text
+from kvcalib.writes import write_json, write_text
 
 
 class Output:

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from kvcalib.cli._options import info, keep_inputs_intact
+from kvcalib.cli._paths import check_output_file
 from kvcalib.errors import UsageError
-from kvcalib.files import check_output_file
 
 
 def _card_file(value: Path | None) -> Path | None:
@@ -48,7 +48,7 @@ def card(
     of --eval, --bench and --lm-eval, each with the command that produced it. An existing
     README keeps everything outside <!-- kvcalib:begin --> ... <!-- kvcalib:end -->."""
     from kvcalib.checkpoint.report_file import REPORT_FILE, load_report
-    from kvcalib.files import read_bounded, write_text
+    from kvcalib.reads import read_bounded
     from kvcalib.report.card import (
         Results,
         default_base_model,
@@ -56,6 +56,7 @@ def card(
         measured_elsewhere,
         render_card,
     )
+    from kvcalib.writes import write_text
 
     if print_only and output is not None:
         raise UsageError("--print writes nothing; drop --output")

@@ -21,12 +21,12 @@ from kvcalib.demo.model import prepare_demo_model
 from kvcalib.engine.interpreter import fp8_kv_supported, resolve_vllm_python
 from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import EvalOptions, HeldOut, LayerSweep, Passkey, evaluate
-from kvcalib.files import write_json
 from kvcalib.kvcache import EstimateOptions, estimate
 from kvcalib.report import plots, summaries
 from kvcalib.stats import MIN_SAMPLES
 from kvcalib.text import Log
 from kvcalib.verify import EngineOptions, verify
+from kvcalib.writes import write_json
 
 
 class StepFailed(KvcalibError):

@@ -67,7 +67,7 @@ def load_model(ckpt: Checkpoint, dtype: str):
     from kvcalib.calibrate import weight_schemes
 
     config = AutoConfig.from_pretrained(ckpt.folder)  # transformers' own config object
-    weight_quant = weight_schemes.input_quantization(ckpt.folder, ckpt.config)
+    weight_quant = weight_schemes.input_quantization(ckpt)
     if weight_quant is not None:
         config.quantization_config = {**weight_quant, "kv_cache_scheme": None}
     elif hasattr(config, "quantization_config"):

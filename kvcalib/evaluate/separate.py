@@ -50,7 +50,7 @@ def weight_quantized(ckpt: Checkpoint) -> bool:
     """Whether the checkpoint's weights are quantized (KV-only quantization is not)."""
     from kvcalib.calibrate import weight_schemes
 
-    return weight_schemes.input_quantization(ckpt.folder, ckpt.config or {}) is not None
+    return weight_schemes.input_quantization(ckpt) is not None
 
 
 def find_reference(ckpt: Checkpoint, given: Path | None, notes: list[str]) -> Checkpoint | None:
@@ -110,7 +110,7 @@ def _checked(ckpt: Checkpoint, folder: Path, what: str) -> Checkpoint:
     except KvcalibError as exc:
         raise UsageError(f"{what} {folder}: {exc}") from None
     assert found.config is not None and ckpt.config is not None
-    if weight_schemes.input_quantization(folder, found.config) is not None:
+    if weight_schemes.input_quantization(found) is not None:
         raise UsageError(f"{what} {folder} has quantized weights; the reference must be the "
                          "unquantized model")
     keys = ("architectures", "model_type", "hidden_size", "num_hidden_layers",

@@ -32,10 +32,10 @@ from kvcalib.checkpoint.write import write_without_kv_scales
 from kvcalib.engine.answers import LmEvalAnswer
 from kvcalib.engine.interpreter import FP8_KV_UNSUPPORTED, fp8_kv_supported, serving_checkpoint
 from kvcalib.engine.process import SCRIPTS, run_probe
-from kvcalib.files import load_config
 from kvcalib.kvcache import geometry
 from kvcalib.lmeval.options import CONFIGS, FP8, RULER, SCALE_ONE, LmEvalOptions
 from kvcalib.lmeval.result import ConfigRun, LmEvalResult, records
+from kvcalib.reads import load_config
 
 PROBE = SCRIPTS / "lm_eval_probe.py"
 

@@ -30,8 +30,8 @@ from typing import Any
 
 from kvcalib.checkpoint.report_file import REPORT_FILE, CalibrationReport
 from kvcalib.errors import UsageError
-from kvcalib.files import read_json
 from kvcalib.hub import HUB_ID
+from kvcalib.reads import read_json
 from kvcalib.report.summaries import (
     BENCH_HEADERS,
     METRICS_HEADERS,

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvcalib.calibrate.convergence import LATE_GROWTH, layer_curves
 from kvcalib.errors import UsageError
-from kvcalib.files import atomic_output_file
+from kvcalib.writes import atomic_output_file
 
 if TYPE_CHECKING:  # the results drawn; each command imports only its own
     from kvcalib.bench.result import BenchResult

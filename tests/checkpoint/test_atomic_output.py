@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from kvcalib import files
+from kvcalib import writes
 from kvcalib.errors import UsageError
-from kvcalib.files import atomic_output_dir, atomic_output_file, rename_noreplace
+from kvcalib.writes import atomic_output_dir, atomic_output_file, rename_noreplace
 
 
 @pytest.fixture(params=["renameat2", "mkdir fallback"])
 def implementation(request, monkeypatch) -> str:
     """Run each test with Linux's renameat2 and with the portable fallback."""
     if request.param == "renameat2":
-        assert files._renameat2 is not None  # this project runs on Linux with glibc
+        assert writes._renameat2 is not None  # this project runs on Linux with glibc
     else:
-        monkeypatch.setattr(files, "_renameat2", None)
+        monkeypatch.setattr(writes, "_renameat2", None)
     return request.param
 
 

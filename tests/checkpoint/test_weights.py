@@ -22,7 +22,8 @@ from kvcalib.checkpoint import open_checkpoint, open_model, write_checkpoint
 from kvcalib.checkpoint import write as weights
 from kvcalib.checkpoint.safetensors import raw, weight_files
 from kvcalib.errors import UsageError
-from kvcalib.files import atomic_output_dir, load_config
+from kvcalib.reads import load_config
+from kvcalib.writes import atomic_output_dir
 
 SCRIPT = ROOT / "scripts" / "bench_verify.py"
 

@@ -20,7 +20,7 @@ from kvcalib.checkpoint import open_model, write_checkpoint
 from kvcalib.checkpoint import write as weights
 from kvcalib.checkpoint.safetensors import weight_files
 from kvcalib.errors import CheckpointError, UsageError
-from kvcalib.files import atomic_output_dir
+from kvcalib.writes import atomic_output_dir
 
 WEIGHTS = sorted(tiny_files.weight_shapes())
 LAYOUTS = {

@@ -1,7 +1,5 @@
-"""Files kvcalib reads and writes. Every file a user gives is untrusted: it is opened only
-as a regular file inside its folder, and read with bounds. Every output appears whole or
-not at all: written beside its target, made durable, then moved into place.
-"""
+"""Writing outputs: each appears whole or not at all, written beside its target, made
+durable, then moved into place; a checkpoint folder's target is checked before any work."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ import errno
 import json
 import os
 import shutil
-import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -19,101 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvcalib.errors import CheckpointError, UsageError
+from kvcalib.errors import UsageError
 
 # What --overwrite does, as atomic_output_dir does it (run and convert).
 OVERWRITE_HELP = "Replace a non-empty --output (only once the new checkpoint is complete)."
-
-# ----- reading untrusted files ----- #
-
-# A real config, index or report is at most a few MB; larger is corrupt, not large.
-MAX_JSON_BYTES = 64 * 2**20
-
-
-def allowed_roots(folder: Path) -> tuple[Path, ...]:
-    """Where the files of a checkpoint folder may really live: inside the folder, and for a
-    Hugging Face cache snapshot (models--ORG--NAME/snapshots/REV, whose files are links
-    into ../../blobs) inside that repository's blobs folder."""
-    real = Path(folder).resolve()
-    roots = [real]
-    snapshots, repo = real.parent, real.parent.parent
-    if snapshots.name == "snapshots" and repo.name.startswith(("models--", "datasets--")):
-        roots.append(repo / "blobs")
-    return tuple(roots)
-
-
-def open_file(folder: Path, name: str) -> BinaryIO:
-    """Open `folder/name` for reading: only a regular file, only where allowed_roots says.
-
-    O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; it is refused
-    right after, by its type.
-    """
-    path = Path(folder) / name
-    real = path.resolve()
-    if not any(real.is_relative_to(root) for root in allowed_roots(folder)):
-        raise CheckpointError(f"{name} is a link to a file outside the checkpoint folder")
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except FileNotFoundError:
-        raise CheckpointError(f"{name} does not exist") from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot open {name}: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{name} is not a regular file")
-    return os.fdopen(fd, "rb", buffering=0)
-
-
-def read_bounded(folder: Path, name: str, what: str) -> bytes:
-    """A small file of a checkpoint (JSON, a README), read whole up to MAX_JSON_BYTES."""
-    with open_file(folder, name) as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise CheckpointError(f"{name} is larger than {MAX_JSON_BYTES // 2**20} MiB: not a "
-                              f"{what}")
-    return raw
-
-
-def read_json(folder: Path, name: str, what: str = "JSON") -> Any:
-    """A JSON file of a checkpoint, bounded in size and depth."""
-    return parse_json(read_bounded(folder, name, what), name)
-
-
-def parse_json(raw: bytes, name: str) -> Any:
-    """JSON from bytes; malformed text, bad UTF-8 and absurd nesting are one clear error."""
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{name} is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                              f"column {exc.colno}") from None
-    except RecursionError:
-        raise CheckpointError(f"{name} is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # a duplicate key, from _no_duplicate_keys
-        raise CheckpointError(f"{name} is not valid JSON: {exc}") from None
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise ValueError(f"key {twice!r} appears twice")
-    return result
-
-
-def load_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
-    """A model config as a dict; anything else is a clear error (verify reports it)."""
-    if not (Path(folder) / name).exists() and not (Path(folder) / name).is_symlink():
-        raise CheckpointError(f"{folder} has no {name}")
-    config = read_json(folder, name, what="model config")
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{name} is not a model config (a JSON object)")
-    return config
-
-
-# ----- writing outputs ----- #
 
 
 def check_output_target(output: Path, model_dir: Path | None, overwrite: bool) -> Path:
@@ -135,36 +41,11 @@ def check_output_target(output: Path, model_dir: Path | None, overwrite: bool) -
                              "pass --overwrite to replace it")
     if not target.parent.is_dir():
         raise UsageError(f"the parent folder of --output does not exist: {target.parent}")
-    _check_writable_folder(target.parent, "--output", output)
+    check_writable_folder(target.parent, "--output", output)
     return target
 
 
-def check_output_file(path: Path, option: str) -> Path:
-    """Refuse, before any work, an output file that cannot be written whole: a folder, a
-    device or pipe (/dev/full accepts the open and fails the write), a path under a file,
-    an unwritable place. Returns the absolute path; a link is followed, so the file it
-    names is the one replaced."""
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise UsageError(f"{option} {path} is a folder; give a file name")
-    if target.exists():
-        if not target.is_file():
-            raise UsageError(f"{option} {path} is not a regular file (a device or pipe); "
-                             "kvcalib writes output files whole")
-        if not os.access(target, os.W_OK):
-            raise UsageError(f"{option} {path} is not writable")
-    _check_writable_folder(target.parent, option, path)
-    return target.resolve()
-
-
-def check_output_folder(path: Path, option: str) -> Path:
-    """Refuse, before any work, an output folder that is a file or cannot be created."""
-    target = Path(path).expanduser()
-    _check_writable_folder(target, option, path)
-    return Path(os.path.abspath(target))
-
-
-def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
+def check_writable_folder(folder: Path, option: str, path: Path) -> None:
     """The nearest existing folder at or above `folder` must be a folder we can write in
     (missing ones are created when the output is written). Proven by creating and removing
     a file there: os.access says yes to root where nothing can be created (/proc)."""
@@ -180,49 +61,6 @@ def _check_writable_folder(folder: Path, option: str, path: Path) -> None:
             os.close(fd)
             os.unlink(probe)
             return
-
-
-def refuse_outputs_in_inputs(inputs: list[Path | str | None],
-                             outputs: dict[str, Path | None]) -> None:
-    """Refuse, before any work, an output (option -> path) that is an input or lies inside
-    an input folder: compared resolved through symbolic links, and an existing file also
-    by inode (a hard link to an input's file). Inputs that are not local paths (hub ids)
-    are skipped."""
-    sources = [Path(p).expanduser() for p in inputs if p is not None]
-    sources = [p for p in sources if p.exists()]
-    roots = [root for p in sources if p.is_dir() for root in allowed_roots(p)]
-    for option, path in outputs.items():
-        if path is None:
-            continue
-        real = Path(path).expanduser().resolve()
-        for source in sources:
-            if real == source.resolve():
-                raise UsageError(f"{option} {path} is the input {source}; the input is never "
-                                 "modified")
-        for root in roots:
-            if root in real.parents:
-                raise UsageError(f"{option} {path} is inside the input folder {root}; the "
-                                 "input is never modified")
-        linked = _same_file_among(real, sources)
-        if linked is not None:
-            raise UsageError(f"{option} {path} is a hard link to the input's {linked}; the "
-                             "input is never modified")
-
-
-def _same_file_among(path: Path, sources: list[Path]) -> Path | None:
-    """An input file that is `path` under another name (a hard link), if any."""
-    try:
-        info = path.stat()
-    except OSError:
-        return None
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
-        return None
-    for source in sources:
-        for candidate in ([source] if source.is_file() else source.rglob("*")):
-            with contextlib.suppress(OSError):
-                if os.path.samestat(candidate.stat(), info):
-                    return candidate
-    return None
 
 
 @contextmanager
