@@ -57,8 +57,9 @@ test: setup
 	.venv/bin/python -m pytest -v --durations=15
 
 # Tests that need neither torch nor vLLM; importing either fails them (tests/fast/no_torch).
+# Two pytest workers: a machine of this project has two cores.
 test-fast: calib-env
-	PYTHONPATH=tests/fast/no_torch .venv/bin/python -m pytest -q tests/fast
+	PYTHONPATH=tests/fast/no_torch .venv/bin/python -m pytest -q -n 2 tests/fast
 
 bench: setup
 	.venv/bin/python scripts/bench_calibrate.py

@@ -46,10 +46,46 @@ def ctrl_c_reaches_it() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# In the fast tier (torch and vLLM made unimportable, tests/fast/no_torch) a command runs
+# in this process, through the console script's own entry point: a new interpreter costs
+# more than the command itself there. A test that bounds the command (timeout, memory,
+# signals, another folder or environment) passes those arguments and gets a real process.
+IN_PROCESS = sys.modules.get("torch", ...) is None
+
+
 def run_kvcalib(*args: object, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
-    """Run the installed `kvcalib` console script, as a user or pipeline would."""
-    return subprocess.run([str(KVCALIB), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+    """Run the `kvcalib` console script, as a user or pipeline would."""
+    argv = [str(KVCALIB), *map(str, args)]
+    if IN_PROCESS and not kwargs and timeout == 900:
+        return _in_process(argv)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """`kvcalib.cli.main` with this argv, its standard streams and exit code captured; an
+    exception that escapes prints its traceback and exits 1, as the interpreter would."""
+    import contextlib
+    import io
+    import traceback
+
+    from kvcalib.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_term = sys.argv, signal.getsignal(signal.SIGTERM)
+    sys.argv, code = ["kvcalib", *argv[1:]], 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (exit_.code is not None)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        signal.signal(signal.SIGTERM, saved_term)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_error(result: subprocess.CompletedProcess, code: int, message: str) -> None:
