@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib.checkpoint.report_file import CalibrationReport
+from kvcalib.checkpoint.calibration_report import CalibrationReport
 
 LATE_GROWTH = 0.05
 FLAG_NOTE = "more samples may raise this scale"
@@ -54,7 +54,7 @@ def flagged(layers: list[dict[str, Any]], kinds: tuple[str, ...]) -> list[dict[s
     return found
 
 
-def describe(found: list[dict[str, Any]], scales: int, samples: int) -> str:
+def late_growth(found: list[dict[str, Any]], scales: int, samples: int) -> str:
     """One line for the log: which layers' scales still grew late."""
     by_kind: dict[str, list[str]] = {}
     for flag in found:

@@ -53,7 +53,7 @@ class Need:
         return self.weights + self.activations + RUNTIME
 
 
-def estimate(model: Checkpoint, compute_dtype: str, max_seq_len: int, samples: int) -> Need:
+def need(model: Checkpoint, compute_dtype: str, max_seq_len: int, samples: int) -> Need:
     """What one rank needs for `samples` samples of up to `max_seq_len` tokens."""
     element = element_bytes(compute_dtype)
     per_layer: dict[int, int] = defaultdict(int)

@@ -89,7 +89,7 @@ def preflight(model: str | Path, output: str | Path, scales: ScaleOptions,
         return Preflight(source, target, placement, settings, None, input_quant)
     device = _device(settings)
     per_rank = -(-samples.num_samples // ranks.world_size)  # at most this many per rank
-    need = memory.estimate(source, settings["dtype"], samples.max_seq_len, per_rank)
+    need = memory.need(source, settings["dtype"], samples.max_seq_len, per_rank)
     plan = memory.plan(compute.pipeline, need, memory.available(device, ranks.local_world_size),
                        device)
     if (plan.pipeline == "sequential" and device != "cpu"

@@ -43,7 +43,7 @@ import numpy as np
 from kvcalib.calibrate import convergence, distributed, oneshot, weight_schemes
 from kvcalib.calibrate.options import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
 from kvcalib.calibrate.preflight import load_model, load_tokenizer, preflight
-from kvcalib.checkpoint.report_file import (
+from kvcalib.checkpoint.calibration_report import (
     REPORT_FILE,
     REPORT_SCHEMA_VERSION,
     CalibrationReport,
@@ -143,7 +143,7 @@ def calibrate(model: str | Path, output: str | Path, *, scales: ScaleOptions = S
         layers = _collect_scales(measured, per_sample, scales.observer)
         flagged = convergence.flagged(layers, scales.kinds)
         if flagged:
-            log(convergence.describe(flagged, len(layers) * len(scales.kinds), used))
+            log(convergence.late_growth(flagged, len(layers) * len(scales.kinds), used))
         quant_config = oneshot.quantization_config(torch_model,
                                                    compressed=scales.scheme is not None)
         if input_quant is not None:

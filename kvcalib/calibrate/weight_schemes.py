@@ -87,7 +87,7 @@ def input_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
-    from kvcalib.checkpoint.report_file import describe
+    from kvcalib.checkpoint.calibration_report import validation_message
 
     model_dir = ckpt.folder
     quant = declared_quantization(model_dir, ckpt.config or {})
@@ -101,7 +101,7 @@ def input_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
         parsed = QuantizationConfig.model_validate({"config_groups": {}, **quant})
     except ValidationError as exc:
         raise UsageError(f"{model_dir}: its compressed-tensors quantization_config is not "
-                         f"valid: {describe(exc)}") from None
+                         f"valid: {validation_message(exc)}") from None
     groups = {name: g for name, g in parsed.config_groups.items() if not isinstance(g, list)}
     if all(not g.weights and not g.output_activations for g in groups.values()):
         return None  # KV (and attention) only: recalibrated like an unquantized checkpoint
@@ -149,7 +149,7 @@ def report(quant: dict[str, Any], quantized_by: str, preset: str | None) -> dict
             "ignore": list(quant.get("ignore") or [])}
 
 
-def describe(info: dict[str, Any] | None) -> str:
+def weights_line(info: dict[str, Any] | None) -> str:
     """One line on the weights for `run`'s summary."""
     if info is None:
         return "unquantized, copied bit for bit"

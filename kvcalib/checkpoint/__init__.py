@@ -7,5 +7,6 @@ from kvcalib import exports
 
 __getattr__, __all__ = exports(__name__, {
     "Checkpoint": "read", "KvScales": "read", "Scale": "read", "open_checkpoint": "read",
-    "open_model": "read", "REPORT_FILE": "report_file", "CalibrationReport": "report_file",
-    "load_report": "report_file", "SCALES_FILE": "write", "write_checkpoint": "write"})
+    "open_model": "read", "REPORT_FILE": "calibration_report",
+    "CalibrationReport": "calibration_report",
+    "load_report": "calibration_report", "SCALES_FILE": "write", "write_checkpoint": "write"})

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvcalib.checkpoint import layouts
+from kvcalib.checkpoint.calibration_report import REPORT_FILE
 from kvcalib.checkpoint.read import Checkpoint, open_checkpoint
-from kvcalib.checkpoint.report_file import REPORT_FILE
 from kvcalib.checkpoint.safetensors import RawTensor, TensorInfo, decode
 from kvcalib.checkpoint.write import RECIPE_FILE, write_checkpoint
 from kvcalib.checks import FAIL, WARN

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcalib.checkpoint.calibration_report import REPORT_FILE, CalibrationReport
 from kvcalib.checkpoint.read import KINDS, KvScales, open_checkpoint
-from kvcalib.checkpoint.report_file import REPORT_FILE, CalibrationReport
 from kvcalib.checks import FAIL, WARN
 from kvcalib.choices import OUTLIER_RATIO
 from kvcalib.dtypes import E4M3_MAX

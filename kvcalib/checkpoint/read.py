@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvcalib.checkpoint import expected, layouts
-from kvcalib.checkpoint.report_file import CalibrationReport, load_report
+from kvcalib.checkpoint.calibration_report import CalibrationReport, load_report
 from kvcalib.checkpoint.safetensors import TensorInfo, read_tensor, tensor_index, weight_files
 from kvcalib.checks import FAIL, PASS, WARN, Check
 from kvcalib.dtypes import DTYPES, E4M3_MAX, FLOATS

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvcalib.checkpoint import layouts
+from kvcalib.checkpoint.calibration_report import REPORT_FILE
 from kvcalib.checkpoint.read import Checkpoint
-from kvcalib.checkpoint.report_file import REPORT_FILE
 from kvcalib.checkpoint.safetensors import (
     INDEX_NAME,
     LONE_NAME,

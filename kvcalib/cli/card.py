@@ -47,7 +47,7 @@ def card(
     library vllm, tags), the serving command, the calibration's provenance and the tables
     of --eval, --bench and --lm-eval, each with the command that produced it. An existing
     README keeps everything outside <!-- kvcalib:begin --> ... <!-- kvcalib:end -->."""
-    from kvcalib.checkpoint.report_file import REPORT_FILE, load_report
+    from kvcalib.checkpoint.calibration_report import REPORT_FILE, load_report
     from kvcalib.reads import read_bounded
     from kvcalib.report.card import (
         Results,

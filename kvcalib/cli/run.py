@@ -41,8 +41,8 @@ def run(
     from kvcalib.calibrate import distributed
     from kvcalib.calibrate.preflight import check_launch
     from kvcalib.calibrate.run import calibrate
-    from kvcalib.calibrate.weight_schemes import describe
-    from kvcalib.checkpoint.report_file import REPORT_FILE
+    from kvcalib.calibrate.weight_schemes import weights_line
+    from kvcalib.checkpoint.calibration_report import REPORT_FILE
     from kvcalib.report.summaries import calibration_summary
 
     keep_inputs_intact([model, samples.dataset.source], {"--json": json_path, "--plot": plot})
@@ -58,7 +58,7 @@ def run(
     weights = report.weight_quantization
     out.result(report.model_dump(mode="json", exclude_unset=True), "\n".join([
         calibration_summary(report),
-        f"Weights:    {describe(weights.model_dump() if weights else None)}",
+        f"Weights:    {weights_line(weights.model_dump() if weights else None)}",
         f"Checkpoint: {result.output}",
         f"Report:     {result.output / REPORT_FILE}"]))
     if plot:  # after the result: a figure that fails loses nothing computed

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import StrictBool, ValidationError
 
-from kvcalib.checkpoint.report_file import Record, describe
+from kvcalib.checkpoint.calibration_report import Record, validation_message
 from kvcalib.engine.scripts.probe_protocol import LM_EVAL_PROBE_SCHEMA, VLLM_PROBE_SCHEMA
 
 
@@ -86,7 +86,7 @@ def load_probe_answer(text: str, answer: type[Record] = ProbeAnswer) -> dict[str
                              f"{SCHEMAS[answer]}")
         return answer.model_validate(data).model_dump()
     except ValidationError as exc:
-        why = describe(exc)
+        why = validation_message(exc)
     except ValueError as exc:  # JSONDecodeError included
         why = str(exc)
     return {"started": False, "error": f"the engine probe's answer is unreadable: {why}"}

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcalib.checkpoint.report_file import Record
+from kvcalib.checkpoint.calibration_report import Record
 from kvcalib.engine.answers import ProbeAnswer, load_probe_answer
 from kvcalib.engine.log import LogFacts, parse_log
 

@@ -7,4 +7,4 @@ __getattr__, __all__ = exports(__name__, {
     "evaluate": "run", "EvalResult": "result", "CALIBRATED": "metrics", "E5M2": "metrics",
     "SCALE_ONE": "metrics", "Metrics": "metrics", **dict.fromkeys(
         ["EngineCheck", "EvalOptions", "Formats", "Gates", "HeldOut", "LayerSweep", "Passkey",
-         "Simulation"], "options")})
+         "SimulationOptions"], "options")})

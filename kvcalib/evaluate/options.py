@@ -32,7 +32,7 @@ class HeldOut(OptionGroup):
 
 
 @dataclass(frozen=True)
-class Simulation(OptionGroup):
+class SimulationOptions(OptionGroup):
     """How the cache is simulated, and which configurations beside the checkpoint's own."""
 
     dtype: EvalDtype = option("float32", "Compute dtype of reference and simulation "
@@ -164,7 +164,7 @@ class EvalOptions:
     """Every option of `evaluate`, by group."""
 
     held_out: HeldOut = HeldOut()
-    simulation: Simulation = Simulation()
+    simulation: SimulationOptions = SimulationOptions()
     formats: Formats = Formats()
     passkey: Passkey = Passkey()
     layer_sweep: LayerSweep = LayerSweep()

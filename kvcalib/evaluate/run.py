@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from kvcalib.checkpoint import layouts
+from kvcalib.checkpoint.calibration_report import CalibrationReport
 from kvcalib.checkpoint.read import Checkpoint, KvScales, open_checkpoint, scale_checks
-from kvcalib.checkpoint.report_file import CalibrationReport
 from kvcalib.checkpoint.safetensors import file_tensors
 from kvcalib.checkpoint.write import write_with_kv_scales
 from kvcalib.checks import FAIL, WARN, Check
@@ -46,10 +46,9 @@ from kvcalib.engine.interpreter import resolve_vllm_python
 from kvcalib.engine.log import LogFacts
 from kvcalib.engine.process import ProbeRequest, ProbeRun, log_folder, run_probe
 from kvcalib.errors import KvcalibError, UsageError
-from kvcalib.evaluate import formats as format_comparison
-from kvcalib.evaluate import separate
+from kvcalib.evaluate import format_comparison, separate
 from kvcalib.evaluate.metrics import CALIBRATED, E5M2, SCALE_ONE, batches, score, verdict
-from kvcalib.evaluate.options import EngineCheck, EvalOptions, HeldOut, Simulation
+from kvcalib.evaluate.options import EngineCheck, EvalOptions, HeldOut, SimulationOptions
 from kvcalib.evaluate.passkey import passkey_trials, run_passkey
 from kvcalib.evaluate.result import EvalResult, gate_checks
 from kvcalib.evaluate.sweep import sweep
@@ -281,12 +280,12 @@ def _configurations(opened: Checkpoint, own: dict[int, dict[str, Any]], options:
         return sims, []
     known = {("e4m3", "calibrated"): CALIBRATED, ("e4m3", "scale 1.0"): SCALE_ONE,
              ("e5m2", "scale 1.0"): E5M2}
-    rows, more = format_comparison.plan(opened, own, options, known)
+    rows, more = format_comparison.plan_rows(opened, own, options, known)
     return {**sims, **more}, rows
 
 
 def _reference_model(reference: Checkpoint, loaded: tuple[Any, Any],
-                     sim_options: Simulation, notes: list[str]) -> Any:
+                     sim_options: SimulationOptions, notes: list[str]) -> Any:
     """The unquantized model, loaded before any scoring; one that turns out to be another
     model is refused when the user gave it, and left out with a note (None) when the
     calibration report named it."""

@@ -89,7 +89,7 @@ def calibrated_from(folder: Path) -> Path | None:
     quantized the weights: find_reference's reference when none is given, so an input
     that outputs must stay out of. None otherwise, or without a readable report
     (evaluate says why later)."""
-    from kvcalib.checkpoint.report_file import load_report
+    from kvcalib.checkpoint.calibration_report import load_report
 
     try:
         report = load_report(folder)

@@ -41,7 +41,7 @@ def depth_bucket(needle: list[int] | None) -> str | None:
     return f"{fifth * width}-{(fifth + 1) * width}%"
 
 
-def score(sample: dict[str, Any]) -> float:
+def example_score(sample: dict[str, Any]) -> float:
     """An example's score: RULER's per-length metric (the fraction of its needles found),
     else the task's first metric."""
     metrics = sample["metrics"]
@@ -59,7 +59,7 @@ def records(probe: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         rows.append({"task": sample["task"], "length": sample["length"],
                      "doc_id": sample["doc_id"], "prompt_hash": sample["prompt_hash"],
-                     "score": score(sample), "depth": depth_bucket(sample["needle"]),
+                     "score": example_score(sample), "depth": depth_bucket(sample["needle"]),
                      "target": sample["target"], "response": sample["response"]})
     return rows
 

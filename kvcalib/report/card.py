@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcalib.checkpoint.report_file import REPORT_FILE, CalibrationReport
+from kvcalib.checkpoint.calibration_report import REPORT_FILE, CalibrationReport
 from kvcalib.errors import UsageError
 from kvcalib.hub import HUB_ID
 from kvcalib.reads import read_json

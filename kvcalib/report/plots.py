@@ -17,8 +17,8 @@ from kvcalib.writes import atomic_output_file
 
 if TYPE_CHECKING:  # the results drawn; each command imports only its own
     from kvcalib.bench.result import BenchResult
+    from kvcalib.checkpoint.calibration_report import CalibrationReport
     from kvcalib.checkpoint.inspect import Inspection
-    from kvcalib.checkpoint.report_file import CalibrationReport
     from kvcalib.evaluate.result import EvalResult
     from kvcalib.lmeval.result import LmEvalResult
 

@@ -15,9 +15,9 @@ Render = Callable[[Sequence[str], Sequence[Sequence[Any]]], str]  # tables.table
 
 if TYPE_CHECKING:  # the results summarized; each command imports only its own
     from kvcalib.bench.result import BenchResult, CacheRun
+    from kvcalib.checkpoint.calibration_report import CalibrationReport
     from kvcalib.checkpoint.convert import Conversion
     from kvcalib.checkpoint.inspect import Inspection
-    from kvcalib.checkpoint.report_file import CalibrationReport
     from kvcalib.evaluate.metrics import Metrics
     from kvcalib.evaluate.result import EvalResult
     from kvcalib.kvcache.capacity import Estimate
@@ -387,7 +387,7 @@ def _head_rows(result: Inspection) -> list[list[Any]]:
 
 
 def _calibration_line(calibration: dict[str, Any] | None) -> str:
-    from kvcalib.checkpoint.report_file import REPORT_FILE
+    from kvcalib.checkpoint.calibration_report import REPORT_FILE
 
     if calibration is None:
         return f"Calibration: no {REPORT_FILE} in the checkpoint"

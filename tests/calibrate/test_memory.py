@@ -23,7 +23,7 @@ GiB = 2**30
 
 def test_estimate_counts_every_weight_in_the_compute_dtype(tiny_model):
     model = tiny_model("llama")
-    need = memory.estimate(open_model(model), "float32", max_seq_len=64, samples=3)
+    need = memory.need(open_model(model), "float32", max_seq_len=64, samples=3)
     per_layer, total = defaultdict(int), 0
     with safe_open(model / "model.safetensors", "pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__

@@ -172,7 +172,7 @@ def test_memory_plan_counts_decompressed_weights(name, demo_model, quantized_inp
     from kvcalib.checkpoint import open_model
 
     def weight_bytes(folder: Path) -> int:
-        return memory.estimate(open_model(folder), "bfloat16", 16, 1).weights
+        return memory.need(open_model(folder), "bfloat16", 16, 1).weights
 
     ratio = weight_bytes(quantized_inputs[name]) / weight_bytes(demo_model)
     assert 1.0 <= ratio < 1.05, ratio

@@ -24,7 +24,7 @@ from kvcalib.evaluate import (
     Gates,
     HeldOut,
     LayerSweep,
-    Simulation,
+    SimulationOptions,
     evaluate,
 )
 from kvcalib.stats import MIN_SAMPLES
@@ -217,7 +217,7 @@ def test_compare_with_another_models_scales_is_refused(smol_attn_head, tiny_mode
     assert result.returncode == 0, result.stderr
     with pytest.raises(UsageError, match="scales are for another model shape"):
         evaluate(smol_attn_head, EvalOptions(HeldOut(num_samples=1, max_seq_len=16),
-                                             Simulation(compare=other)),
+                                             SimulationOptions(compare=other)),
                  log=lambda _: None)
 
 
@@ -227,7 +227,7 @@ def test_compare_with_a_peer_checkpoint_folder(smol_attn_head, tmp_path):
     they were measured before RoPE and merged."""
     quark = peers.materialize("quark-kv", tmp_path / "quark-kv")
     result = evaluate(smol_attn_head, EvalOptions(HeldOut(num_samples=1, max_seq_len=96),
-                                                  Simulation(compare=quark)),
+                                                  SimulationOptions(compare=quark)),
                       log=lambda _: None)
     compared = result.metrics["compare: quark-kv (quark, e4m3)"]
     assert 0 < compared.mean_kl != result.metrics[CALIBRATED].mean_kl
@@ -241,13 +241,13 @@ def test_compare_with_a_scales_file(smol_attn_head, tmp_path):
     save_file(halved, tmp_path / "halved.safetensors")
     result = evaluate(smol_attn_head, EvalOptions(
                           HeldOut(num_samples=1, max_seq_len=96),
-                          Simulation(compare=tmp_path / "halved.safetensors")),
+                          SimulationOptions(compare=tmp_path / "halved.safetensors")),
                       log=lambda _: None)
     compared = result.metrics["compare: halved.safetensors (scales file, e4m3)"]
     assert compared.clipped["k"] > 0.005 > result.metrics[CALIBRATED].clipped["k"]
     save_file({"model.layers.0.self_attn.k_scale": halved["model.layers.0.self_attn.k_scale"]},
               tmp_path / "one.safetensors")
     with pytest.raises(UsageError, match="do not pass verify: layer 0: no v_scale tensor"):
-        evaluate(smol_attn_head, EvalOptions(HeldOut(num_samples=1, max_seq_len=16),
-                                             Simulation(compare=tmp_path / "one.safetensors")),
+        one = SimulationOptions(compare=tmp_path / "one.safetensors")
+        evaluate(smol_attn_head, EvalOptions(HeldOut(num_samples=1, max_seq_len=16), one),
                  log=lambda _: None)

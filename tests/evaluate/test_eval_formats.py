@@ -17,8 +17,8 @@ from conftest import SCALES, assert_error, run_kvcalib
 from kvcalib.checkpoint import open_checkpoint
 from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.evaluate import CALIBRATED, EvalOptions, Formats, Gates, HeldOut, evaluate
-from kvcalib.evaluate.formats import FormatRow, meets_gates, nvfp4_scales, recommend
-from kvcalib.evaluate.formats import format_names as names_for
+from kvcalib.evaluate.format_comparison import FormatRow, meets_gates, nvfp4_scales, recommend
+from kvcalib.evaluate.format_comparison import format_names as names_for
 from kvcalib.kvcache import quantize as kvquant
 from kvcalib.report.summaries import eval_summary
 from kvcalib.stats import MIN_SAMPLES

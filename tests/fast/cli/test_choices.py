@@ -15,7 +15,7 @@ from kvcalib.calibrate import ComputeOptions, SampleOptions, ScaleOptions, Write
 from kvcalib.checkpoint import layouts
 from kvcalib.cli import app
 from kvcalib.errors import UsageError
-from kvcalib.evaluate.options import Formats, Gates, HeldOut, LayerSweep, Passkey, Simulation
+from kvcalib.evaluate.options import Formats, Gates, HeldOut, LayerSweep, Passkey, SimulationOptions
 from kvcalib.kvcache.capacity import EstimateOptions, Kivi
 from kvcalib.verify.options import EngineOptions
 
@@ -64,7 +64,7 @@ def test_python_callers_get_the_same_checks():
 
 @pytest.mark.parametrize(("group", "values", "message"), [
     (HeldOut, {"batch_size": 0}, "--batch-size must be at least 1, got 0"),
-    (Simulation, {"rounding": "up"}, "unknown rounding 'up'; choose one of nearest, "),
+    (SimulationOptions, {"rounding": "up"}, "unknown rounding 'up'; choose one of nearest, "),
     (Formats, {"names": ["fp8"], "block_size": 0}, "--block-size must be at least 1, got 0"),
     (Passkey, {"depths": [0.5, 1.5]}, "--passkey-depths must be at most 1, got 1.5"),
     (LayerSweep, {"samples": 1}, "--sweep-samples must be at least 2, got 1"),

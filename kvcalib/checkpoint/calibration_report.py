@@ -199,10 +199,10 @@ def load_report(folder: Path) -> CalibrationReport | None:
         return CalibrationReport.model_validate(data)
     except ValidationError as exc:
         raise CheckpointError(f"{REPORT_FILE} is not a kvcalib calibration report: "
-                              f"{describe(exc)}") from None
+                              f"{validation_message(exc)}") from None
 
 
-def describe(exc: ValidationError) -> str:
+def validation_message(exc: ValidationError) -> str:
     """The first problem and where, without echoing the (untrusted) value."""
     first = exc.errors()[0]
     where = ".".join(str(part) for part in first["loc"]) or "top level"

@@ -59,7 +59,7 @@ def nvfp4_scales(own: dict[int, dict[str, Any]], kv_cache_dtype: str) -> dict[in
         if kind in ("k", "v")} for layer, kinds in own.items()}
 
 
-def plan(ckpt: Checkpoint, own: dict[int, dict[str, Any]], options: EvalOptions,
+def plan_rows(ckpt: Checkpoint, own: dict[int, dict[str, Any]], options: EvalOptions,
          known: dict[tuple[str, str], str]
          ) -> tuple[list[FormatRow], dict[str, simulate.Simulation]]:
     """The rows, sized by kvcalib.kvcache.capacity (vLLM's page accounting), and the
