@@ -227,9 +227,7 @@ def write_without_kv_scales(folder: Path, out: Path) -> list[str]:
     config = load_config(folder)
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and "kv_cache_scheme" in quant:
-        quant = {k: v for k, v in quant.items() if k != "kv_cache_scheme"}
-        if quant.get("quant_method") == "compressed-tensors" and not quant.get("config_groups"):
-            quant = None
+        quant = layouts.without_kv_cache(quant, folder)
         config = {k: v for k, v in config.items() if k != "quantization_config"}
         if quant is not None:
             config["quantization_config"] = quant

@@ -82,7 +82,7 @@ def test_eval_verify_and_estimate_groups_check_their_bounds(group, values, messa
 
 
 def test_convert_targets_are_the_layouts_kvcalib_writes():
-    assert choices.values(choices.ScaleLayout) == tuple(layouts.SCALE_NAMES)
+    assert choices.values(choices.ScaleLayout) == layouts.TARGETS
 
 
 def test_readme_map_names_every_package_and_docs_every_command():
