@@ -1,9 +1,10 @@
-"""Check results shared by `verify` and `eval`, and the exit code they imply."""
+"""Checks, the exit code they imply, and CommandResult: the one interface of every
+command's result, which the CLI's output sink takes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 PASS, FAIL, ERROR, SKIP, WARN = "pass", "fail", "error", "skip", "warn"
 
@@ -27,3 +28,22 @@ def exit_code(checks: list[Check]) -> int:
     """1 when a check failed, else 2 when one could not run, else 0."""
     statuses = {c.status for c in checks}
     return 1 if FAIL in statuses else 2 if ERROR in statuses else 0
+
+
+class CommandResult:
+    """What a command returns: its `checks` (a field or a property of each result; a
+    result that checks nothing has none), the exit code they imply, its JSON form and its
+    summary for people. `suite` names its checks' JUnit test suite."""
+
+    suite: ClassVar[str] = ""
+    checks: list[Check]
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        raise NotImplementedError

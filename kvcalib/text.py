@@ -37,3 +37,10 @@ def size(num_bytes: float) -> str:
             return f"{num_bytes:,.0f} B" if unit == "B" else f"{num_bytes:.2f} {unit}"
         num_bytes /= 1024
     raise AssertionError("unreachable")
+
+
+def count(value: float | None) -> str:
+    """A count for a table: whole numbers with thousands separators."""
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"

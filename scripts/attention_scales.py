@@ -31,7 +31,7 @@ from kvcalib.calibrate import (
 )
 from kvcalib.data import DatasetSpec
 from kvcalib.demo import prepare_demo_model
-from kvcalib.report.tables import table
+from kvcalib.tables import table
 
 
 def scales(model: Path, out: Path, seed: int, dtype: str, attention: str,

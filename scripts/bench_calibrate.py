@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from kvcalib.demo import prepare_demo_model
-from kvcalib.report.tables import table
+from kvcalib.tables import table
 from kvcalib.text import size
 
 KVCALIB = Path(sys.executable).parent / "kvcalib"

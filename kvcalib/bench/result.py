@@ -6,7 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, exit_code
+from kvcalib.bench.summary import bench_summary
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, CommandResult
 
 # vLLM's result keys that kvcalib reports (vllm/benchmarks/serve.py, `benchmark`'s result)
 METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput",
@@ -36,7 +37,9 @@ class CacheRun:
 
 
 @dataclass
-class BenchResult:
+class BenchResult(CommandResult):
+    suite = "kvcalib.bench"
+
     checkpoint: str
     workload: dict[str, Any]
     targets: dict[str, float | None]
@@ -72,17 +75,14 @@ class BenchResult:
                                     f"the targets, auto {base or 'none'}", value=mine))
         return checks
 
-    @property
-    def exit_code(self) -> int:
-        """1: a quantized cache holds no more tokens than `auto`, or (with targets) serves
-        fewer concurrent requests within them; 2: no cache could be measured; else 0."""
-        return exit_code(self.checks)
-
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "workload": self.workload,
                 "targets": self.targets, "vllm_python": self.vllm_python,
                 "caches": [vars(c) for c in self.caches],
                 "checks": [vars(c) for c in self.checks], "exit_code": self.exit_code}
+
+    def summary(self) -> str:
+        return bench_summary(self)
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -36,13 +36,14 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from kvcalib.calibrate import convergence, distributed, oneshot, weight_schemes
 from kvcalib.calibrate.options import ComputeOptions, SampleOptions, ScaleOptions, WriteOptions
 from kvcalib.calibrate.preflight import load_model, load_tokenizer, preflight
+from kvcalib.calibrate.summary import calibration_summary
 from kvcalib.checkpoint.calibration_report import (
     REPORT_FILE,
     REPORT_SCHEMA_VERSION,
@@ -50,6 +51,7 @@ from kvcalib.checkpoint.calibration_report import (
 )
 from kvcalib.checkpoint.safetensors import raw, tensor_index
 from kvcalib.checkpoint.write import RECIPE_FILE, copy_side_files, write_checkpoint
+from kvcalib.checks import Check, CommandResult
 from kvcalib.data import select_samples
 from kvcalib.dtypes import E4M3_MAX
 from kvcalib.errors import CheckFailed
@@ -68,15 +70,28 @@ SCALE_RTOL = 2**-7
 
 
 @dataclass
-class CalibrationResult:
+class CalibrationResult(CommandResult):
     """Where the checkpoint went and what was measured (the report it holds).
 
     Under torchrun every rank gets one; only rank 0 wrote the checkpoint.
     """
 
+    checks: ClassVar[list[Check]] = []  # a failed calibration raises: exit code 0
+
     output: Path
     report: CalibrationReport
     rank: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.report.model_dump(mode="json", exclude_unset=True)
+
+    def summary(self) -> str:
+        weights = self.report.weight_quantization
+        weights_line = weight_schemes.weights_line(weights.model_dump() if weights else None)
+        return "\n".join([calibration_summary(self.report),
+                          f"Weights:    {weights_line}",
+                          f"Checkpoint: {self.output}",
+                          f"Report:     {self.output / REPORT_FILE}"])
 
 
 def calibrate(model: str | Path, output: str | Path, *, scales: ScaleOptions = ScaleOptions(),

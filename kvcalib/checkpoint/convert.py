@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,15 +26,18 @@ from kvcalib.checkpoint import layouts
 from kvcalib.checkpoint.calibration_report import REPORT_FILE
 from kvcalib.checkpoint.read import Checkpoint, open_checkpoint
 from kvcalib.checkpoint.safetensors import RawTensor, decode
+from kvcalib.checkpoint.summary import convert_summary
 from kvcalib.checkpoint.write import RECIPE_FILE, write_checkpoint
-from kvcalib.checks import FAIL, WARN
+from kvcalib.checks import FAIL, WARN, Check, CommandResult
 from kvcalib.dtypes import BY_TORCH_NAME, DTYPES
 from kvcalib.errors import UsageError
 from kvcalib.writes import atomic_output_dir, check_output_target
 
 
 @dataclass
-class Conversion:
+class Conversion(CommandResult):
+    checks: ClassVar[list[Check]] = []  # checks nothing: exit code 0
+
     source: str
     output: str
     source_layout: str
@@ -45,6 +48,9 @@ class Conversion:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def summary(self) -> str:
+        return convert_summary(self)
 
 
 def convert(source: str | Path, to: str, output: str | Path,

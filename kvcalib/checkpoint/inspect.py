@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from kvcalib.checkpoint.calibration_report import REPORT_FILE, CalibrationReport
 from kvcalib.checkpoint.read import KINDS, KvScales, open_checkpoint
-from kvcalib.checks import FAIL, WARN
+from kvcalib.checkpoint.summary import inspect_summary
+from kvcalib.checks import FAIL, WARN, Check, CommandResult
 from kvcalib.choices import OUTLIER_RATIO
 from kvcalib.dtypes import E4M3_MAX
 from kvcalib.errors import UsageError
@@ -45,7 +46,9 @@ class LayerScales:
 
 
 @dataclass
-class Inspection:
+class Inspection(CommandResult):
+    checks: ClassVar[list[Check]] = []  # checks nothing: exit code 0
+
     checkpoint: str
     layout: str
     strategy: str
@@ -60,6 +63,10 @@ class Inspection:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def summary(self, heads: bool = False) -> str:
+        """With `heads`, a row per head too."""
+        return inspect_summary(self, heads)
 
 
 def inspect(folder: str | Path, outlier_ratio: float = OUTLIER_RATIO) -> Inspection:

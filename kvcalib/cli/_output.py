@@ -17,15 +17,18 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn, TypeVar
 
 import typer
 
-from kvcalib.checks import Check
-from kvcalib.cli._options import STDOUT, engine_log_dir, is_stdout, keep_inputs_intact
+from kvcalib.checks import CommandResult
+from kvcalib.cli._options import STDOUT, engine_log_dir, info, is_stdout, keep_inputs_intact
 from kvcalib.errors import UsageError
 from kvcalib.writes import write_json, write_text
+
+Measured = TypeVar("Measured", bound=CommandResult)
 
 
 class Output:
@@ -42,24 +45,27 @@ class Output:
         """The folder of a --json FILE, where engine logs go by default."""
         return self.json_path.parent if self.json_path and not is_stdout(self.json_path) else None
 
-    def result(self, payload: dict[str, Any], text: str, checks: list[Check] | None = None,
-               suite: str = "") -> None:
-        """The table on standard output, unless JSON or JUnit goes there instead."""
-        payload = {"command": command_line(), **payload}
-        if checks is not None and self.junit is not None:
-            from kvcalib.report.tables import junit_xml
+    def emit(self, result: CommandResult, summary: str | None = None) -> int:
+        """The result where the options send it: its summary (`summary`, else the result's
+        own) on standard output, unless JSON or JUnit goes there instead. Returns its exit
+        code, for the command to exit with."""
+        payload = {"command": command_line(), **result.to_dict()}
+        text = result.summary() if summary is None else summary
+        if self.junit is not None:
+            from kvcalib.tables import junit_xml
 
-            xml = junit_xml(suite, checks)
+            xml = junit_xml(result.suite, result.checks)
             if is_stdout(self.junit):
                 text = xml.rstrip("\n")
             else:
                 write_text(self.junit, xml)
         if is_stdout(self.json_path):
             typer.echo(json.dumps(payload, indent=1))
-            return
+            return result.exit_code
         if self.json_path is not None:
             write_json(self.json_path, payload)
         typer.echo(text)
+        return result.exit_code
 
 
 def engine_command_output(command: str, checkpoint: Path, json_path: Path | None,
@@ -73,6 +79,22 @@ def engine_command_output(command: str, checkpoint: Path, json_path: Path | None
     keep_inputs_intact([checkpoint], {"--json": json_path, "--junit": junit, "--plot": plot,
                                       "--log-dir" if log_dir else "the default --log-dir": logs})
     return out, logs
+
+
+def measure_served(command: str, checkpoint: Path, json_path: Path | None,
+                   junit: Path | None, log_dir: Path | None, plot: Path | None,
+                   measure: Callable[[Path | None], Measured],
+                   draw: Callable[[Measured, Path], Path | None]) -> NoReturn:
+    """bench's and lm-eval's whole command: check the outputs, `measure(log folder)`,
+    emit the result, then `draw` it to --plot (None: nothing ran to draw), and exit."""
+    out, logs = engine_command_output(command, checkpoint, json_path, junit, log_dir, plot)
+    result = measure(logs)
+    code = out.emit(result)
+    if plot is not None:  # after the result: a figure that fails loses nothing computed
+        drawn = draw(result, plot)
+        if drawn is not None:
+            info(f"Plot: {drawn}")
+    raise typer.Exit(code)
 
 
 def command_line() -> str:

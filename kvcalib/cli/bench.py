@@ -17,7 +17,7 @@ from kvcalib.cli._options import (
     info,
     plot_option,
 )
-from kvcalib.cli._output import engine_command_output
+from kvcalib.cli._output import measure_served
 
 LogDir = folder_option("Folder for the servers' logs and vLLM's result files (default: "
                        "beside --json, else ./kvcalib-bench-logs/NAME).")
@@ -41,11 +41,8 @@ def bench(
     auto at the same --kv-budget, or serves fewer concurrent requests within the targets."""
     from kvcalib.bench.run import bench as run_bench
     from kvcalib.report.plots import bench_plot
-    from kvcalib.report.summaries import bench_summary
 
-    out, logs = engine_command_output("bench", checkpoint, json_path, junit, log_dir, plot)
-    result = run_bench(checkpoint, options, logs, log=info)
-    out.result(result.to_dict(), bench_summary(result), result.checks, "kvcalib.bench")
-    if plot is not None and any(c.ran for c in result.caches):
-        info(f"Plot: {bench_plot(result, plot)}")
-    raise typer.Exit(result.exit_code)
+    measure_served("bench", checkpoint, json_path, junit, log_dir, plot,
+                   lambda logs: run_bench(checkpoint, options, logs, log=info),
+                   lambda result, path: bench_plot(result, path)
+                   if any(c.ran for c in result.caches) else None)

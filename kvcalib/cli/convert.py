@@ -25,9 +25,8 @@ def convert(
     """Rewrite a checkpoint's FP8 KV scales and quantization config in another format that
     vLLM loads; every other tensor is copied byte for byte."""
     from kvcalib.checkpoint.convert import convert as run_convert
-    from kvcalib.report.summaries import convert_summary
 
     keep_inputs_intact([checkpoint], {"--json": json_path})
     out = Output(json_path)
     result = run_convert(checkpoint, to, output, overwrite=overwrite)
-    out.result(result.to_dict(), convert_summary(result))
+    raise typer.Exit(out.emit(result))

@@ -22,9 +22,8 @@ def estimate(
     --formats, any vLLM KV format), and what fits in a memory budget. Only attention layers
     count; Mamba and other layers are listed."""
     from kvcalib.kvcache.capacity import estimate as run_estimate
-    from kvcalib.report.summaries import estimate_summary
 
     keep_inputs_intact([model], {"--json": json_path})
     out = Output(json_path)
     result = run_estimate(model, options)
-    out.result(result.to_dict(), estimate_summary(result))
+    raise typer.Exit(out.emit(result))

@@ -43,7 +43,6 @@ def evaluate(
     from kvcalib.evaluate.run import evaluate as run_evaluate
     from kvcalib.evaluate.separate import calibrated_from
     from kvcalib.report import plots
-    from kvcalib.report.summaries import eval_summary
 
     if pareto is not None and not options.formats.names:
         raise UsageError("--pareto needs --formats")
@@ -58,9 +57,9 @@ def evaluate(
         options = dataclasses.replace(
             options, engine=dataclasses.replace(options.engine, log_dir=logs))
     result = run_evaluate(checkpoint, options, log=info)
-    out.result(result.to_dict(), eval_summary(result))
+    code = out.emit(result)
     if plot:  # after the result: a figure that fails loses nothing computed
         info(f"Plot: {plots.sensitivity_plot(result, plot)}")
     if pareto:
         info(f"Pareto plot: {plots.pareto_plot(result, pareto)}")
-    raise typer.Exit(result.exit_code)
+    raise typer.Exit(code)

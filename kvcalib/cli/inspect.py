@@ -29,11 +29,11 @@ def inspect(
     reads the calibration report when present. Needs no engine."""
     from kvcalib.checkpoint.inspect import inspect as run_inspect
     from kvcalib.report.plots import scales_plot
-    from kvcalib.report.summaries import inspect_summary
 
     keep_inputs_intact([checkpoint], {"--json": json_path, "--plot": plot})
     out = Output(json_path)
     result = run_inspect(checkpoint, outlier_ratio=outlier_ratio)
-    out.result(result.to_dict(), inspect_summary(result, heads=heads))
+    code = out.emit(result, result.summary(heads=heads))
     if plot is not None:  # after the result: a figure that fails loses nothing computed
         info(f"Plot: {scales_plot(result, plot)}")
+    raise typer.Exit(code)

@@ -17,7 +17,7 @@ from kvcalib.cli._options import (
     info,
     plot_option,
 )
-from kvcalib.cli._output import engine_command_output
+from kvcalib.cli._output import measure_served
 from kvcalib.lmeval.options import LmEvalOptions
 
 LogDir = folder_option("Folder for vLLM's and lm-eval's logs (default: beside --json, else "
@@ -42,11 +42,7 @@ def lm_eval(
     when FP8 with the checkpoint's scales recovers less than --min-recovery."""
     from kvcalib.lmeval.run import lm_eval as run_lm_eval
     from kvcalib.report.plots import lm_eval_plot
-    from kvcalib.report.summaries import lm_eval_summary
 
-    out, logs = engine_command_output("lm-eval", checkpoint, json_path, junit, log_dir, plot)
-    result = run_lm_eval(checkpoint, options, logs, log=info)
-    out.result(result.to_dict(), lm_eval_summary(result), result.checks, "kvcalib.lm_eval")
-    if plot is not None and result.table():
-        info(f"Plot: {lm_eval_plot(result, plot)}")
-    raise typer.Exit(result.exit_code)
+    measure_served("lm-eval", checkpoint, json_path, junit, log_dir, plot,
+                   lambda logs: run_lm_eval(checkpoint, options, logs, log=info),
+                   lambda result, path: lm_eval_plot(result, path) if result.table() else None)

@@ -41,9 +41,6 @@ def run(
     from kvcalib.calibrate import distributed
     from kvcalib.calibrate.preflight import check_launch
     from kvcalib.calibrate.run import calibrate
-    from kvcalib.calibrate.weight_schemes import weights_line
-    from kvcalib.checkpoint.calibration_report import REPORT_FILE
-    from kvcalib.report.summaries import calibration_summary
 
     keep_inputs_intact([model, samples.dataset.source], {"--json": json_path, "--plot": plot})
     out = Output(json_path)
@@ -54,14 +51,9 @@ def run(
                        writing=writing, log=info)
     if result.rank != 0:
         return  # rank 0 prints for the job
-    report = result.report
-    weights = report.weight_quantization
-    out.result(report.model_dump(mode="json", exclude_unset=True), "\n".join([
-        calibration_summary(report),
-        f"Weights:    {weights_line(weights.model_dump() if weights else None)}",
-        f"Checkpoint: {result.output}",
-        f"Report:     {result.output / REPORT_FILE}"]))
+    code = out.emit(result)
     if plot:  # after the result: a figure that fails loses nothing computed
         from kvcalib.report.plots import convergence_plot
 
-        info(f"Plot: {convergence_plot(report, plot)}")
+        info(f"Plot: {convergence_plot(result.report, plot)}")
+    raise typer.Exit(code)

@@ -32,12 +32,10 @@ def verify(
     log_dir: LogDir = None,
 ) -> None:
     """Prove the checkpoint's FP8 KV scales are present, sane and used by vLLM (exit 0)."""
-    from kvcalib.report.summaries import verify_summary
     from kvcalib.verify.run import verify as run_verify
 
     out, logs = engine_command_output("verify", checkpoint, json_path, junit, log_dir,
                                       starts_engine=not static_only)
     result = run_verify(checkpoint, static_only=static_only, options=options, log_dir=logs,
                         log=info)
-    out.result(result.to_dict(), verify_summary(result), result.checks, "kvcalib.verify")
-    raise typer.Exit(result.exit_code)
+    raise typer.Exit(out.emit(result))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.calibrate import SampleOptions, ScaleOptions, WriteOptions, calibrate
+from kvcalib.calibrate.summary import calibration_summary
 from kvcalib.checkpoint import REPORT_FILE
 from kvcalib.checkpoint.inspect import inspect
 from kvcalib.data import DatasetSpec
@@ -22,7 +23,7 @@ from kvcalib.engine.interpreter import fp8_kv_supported, resolve_vllm_python
 from kvcalib.errors import KvcalibError, UsageError
 from kvcalib.evaluate import EvalOptions, HeldOut, LayerSweep, Passkey, evaluate
 from kvcalib.kvcache import EstimateOptions, estimate
-from kvcalib.report import plots, summaries
+from kvcalib.report import plots
 from kvcalib.stats import MIN_SAMPLES
 from kvcalib.text import Log
 from kvcalib.verify import EngineOptions, verify
@@ -58,7 +59,7 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int, log: Log,
                            samples=SampleOptions(DatasetSpec("builtin"), num_samples,
                                                  max_seq_len),
                            writing=WriteOptions(overwrite=True), log=log)
-    show(summaries.calibration_summary(result.report))
+    show(calibration_summary(result.report))
     paths: dict[str, Any] = {"checkpoint": ckpt, "calibration report": ckpt / REPORT_FILE}
 
     kv_dtype = "fp8"
@@ -73,7 +74,7 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int, log: Log,
         checked = verify(ckpt, options=EngineOptions(kv_cache_dtype=kv_dtype, max_model_len=2048),
                          log_dir=output / "verify", log=log)
     write_json(output / "verify" / "verify.json", checked.to_dict())
-    show(summaries.verify_summary(checked))
+    show(checked.summary())
     paths["verify report"] = output / "verify" / "verify.json"
 
     with _step("eval"):
@@ -84,12 +85,12 @@ def run_demo(output: Path, num_samples: int, max_seq_len: int, log: Log,
             layer_sweep=LayerSweep(sweep=True, samples=MIN_SAMPLES)), log=log)
         write_json(output / "eval.json", measured.to_dict())
         plots.sensitivity_plot(measured, output / "eval.png")
-    show(summaries.eval_summary(measured))
+    show(measured.summary())
     paths.update({"eval report": output / "eval.json", "eval plot": output / "eval.png"})
 
     with _step("estimate"):
-        show(summaries.estimate_summary(estimate(str(ckpt), EstimateOptions(
-            context_length=2048, budget="1GiB", block_size=128))))
+        show(estimate(str(ckpt), EstimateOptions(
+            context_length=2048, budget="1GiB", block_size=128)).summary())
     with _step("inspect"):
         plots.scales_plot(inspect(ckpt), output / "scales.png")
     paths["scales plot"] = output / "scales.png"

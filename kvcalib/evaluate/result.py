@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
-from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, CommandResult
 from kvcalib.evaluate.metrics import Metrics
 from kvcalib.evaluate.options import Gates
+from kvcalib.evaluate.summary import eval_summary
 
 
 @dataclass
-class EvalResult:
+class EvalResult(CommandResult):
     checkpoint: str
     samples: dict[str, Any]
     reference_ppl: float
@@ -30,14 +31,13 @@ class EvalResult:
     layer_scales: dict[str, Any] = field(default_factory=dict)  # layers, largest k/v scale
     checks: list[Check] = field(default_factory=list)
 
-    @property
-    def exit_code(self) -> int:
-        return exit_code(self.checks)
-
     def to_dict(self) -> dict[str, Any]:
         result = asdict(self)
         result["exit_code"] = self.exit_code
         return result
+
+    def summary(self) -> str:
+        return eval_summary(self)
 
 
 def gate_checks(result: EvalResult, main: str, gates: Gates) -> list[Check]:

@@ -56,13 +56,15 @@ import re
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
+from kvcalib.checks import Check, CommandResult
 from kvcalib.choices import OptionGroup, comma_separated, option
 from kvcalib.errors import UsageError
 from kvcalib.hub import resolve_config
 from kvcalib.kvcache import formats as kv_formats
 from kvcalib.kvcache import geometry
+from kvcalib.kvcache.summary import estimate_summary
 from kvcalib.text import index_ranges
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default; its CPU backend uses 128
@@ -127,7 +129,9 @@ class FormatEstimate:
 
 
 @dataclass
-class Estimate:
+class Estimate(CommandResult):
+    checks: ClassVar[list[Check]] = []  # checks nothing: exit code 0
+
     model: str
     model_type: str
     dtype: str  # the 16-bit cache's dtype
@@ -152,6 +156,9 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def summary(self) -> str:
+        return estimate_summary(self)
 
 
 def parse_budget(text: str) -> int:

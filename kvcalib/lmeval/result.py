@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, exit_code
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, Check, CommandResult
 from kvcalib.errors import UsageError
 from kvcalib.lmeval.options import AUTO, FP8, SCALE_ONE
+from kvcalib.lmeval.summary import lm_eval_summary
 from kvcalib.stats import MIN_SAMPLES, bootstrap, mcnemar, paired_bootstrap, too_few, wilson
 
 DEPTH_BUCKETS = 5  # needle depth in fifths of the haystack
@@ -69,7 +70,9 @@ def _key(sample: dict[str, Any]) -> tuple[str, int | None, int]:
 
 
 @dataclass
-class LmEvalResult:
+class LmEvalResult(CommandResult):
+    suite = "kvcalib.lm_eval"
+
     checkpoint: str
     options: dict[str, Any]
     configs: list[ConfigRun]
@@ -139,12 +142,6 @@ class LmEvalResult:
                                 f"accuracy (gate {gate:.0%})", value=round(recovery, 4)))
         return checks
 
-    @property
-    def exit_code(self) -> int:
-        """2: no configuration was scored; 1: FP8 with the checkpoint's scales recovers less
-        than --min-recovery of auto's accuracy; else 0."""
-        return exit_code(self.checks)
-
     def verdict(self) -> list[str]:
         """Plain sentences: recovery against the gate, and what calibration buys."""
         said = []
@@ -173,6 +170,9 @@ class LmEvalResult:
                 "notes": self.notes, "checks": [vars(c) for c in self.checks],
                 "exit_code": self.exit_code,
                 "samples": [{"config": c.name, **s} for c in self.configs for s in c.samples]}
+
+    def summary(self) -> str:
+        return lm_eval_summary(self)
 
 
 def _accuracy(scores: list[float]) -> dict[str, Any]:

@@ -1,2 +1,2 @@
-"""Stage 5, what people and pipelines see: each result as a summary of tables
-(summaries), JUnit XML (tables) and figures (plots)."""
+"""Stage 5, what people look at: figures (plots) and the model card (card). Each result's
+table is its own summary() (the stages' summary.py)."""

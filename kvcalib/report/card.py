@@ -28,22 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcalib.bench.summary import BENCH_HEADERS, bench_rows, workload_line
 from kvcalib.checkpoint.calibration_report import REPORT_FILE, CalibrationReport
 from kvcalib.errors import UsageError
-from kvcalib.hub import HUB_ID
-from kvcalib.reads import read_json
-from kvcalib.report.summaries import (
-    BENCH_HEADERS,
+from kvcalib.evaluate.summary import (
     METRICS_HEADERS,
-    bench_rows,
     engine_separate_summary,
     metrics_rows,
     passkey_line,
     separate_summary,
     skip_set_line,
-    workload_line,
 )
-from kvcalib.report.tables import markdown_table
+from kvcalib.hub import HUB_ID
+from kvcalib.reads import read_json
+from kvcalib.tables import markdown_table
 from kvcalib.text import value_range
 
 BEGIN, END = "<!-- kvcalib:begin -->", "<!-- kvcalib:end -->"

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvcalib.checkpoint.read import Checkpoint, Scale, open_checkpoint, short
-from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, exit_code
+from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, CommandResult
 from kvcalib.data import corpus
 from kvcalib.engine.compare import compare_runs
 from kvcalib.engine.interpreter import resolve_vllm_python
@@ -33,26 +33,28 @@ from kvcalib.errors import UsageError
 from kvcalib.kvcache import geometry
 from kvcalib.text import Log, stderr
 from kvcalib.verify.options import EngineOptions
+from kvcalib.verify.summary import verify_summary
 
 COMPARE_PROMPTS = 4
 COMPARE_PROMPT_CHARS = 1500
 
 
 @dataclass
-class VerifyResult:
+class VerifyResult(CommandResult):
+    suite = "kvcalib.verify"
+
     checkpoint: str
     checks: list[Check] = field(default_factory=list)
     scheme: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def exit_code(self) -> int:
-        return exit_code(self.checks)
-
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "exit_code": self.exit_code,
                 "passed": self.exit_code == 0, "scheme": self.scheme, "engine": self.engine,
                 "checks": [asdict(c) for c in self.checks]}
+
+    def summary(self) -> str:
+        return verify_summary(self)
 
 
 def verify(folder: str | Path, *, static_only: bool = False,

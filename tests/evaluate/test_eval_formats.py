@@ -19,8 +19,8 @@ from kvcalib.data import DatasetSpec, select_samples
 from kvcalib.evaluate import CALIBRATED, EvalOptions, Formats, Gates, HeldOut, evaluate
 from kvcalib.evaluate.format_comparison import FormatRow, meets_gates, nvfp4_scales, recommend
 from kvcalib.evaluate.format_comparison import format_names as names_for
+from kvcalib.evaluate.summary import eval_summary
 from kvcalib.kvcache import quantize as kvquant
-from kvcalib.report.summaries import eval_summary
 from kvcalib.stats import MIN_SAMPLES
 
 FORMATS = ["int8_per_token_head", "turboquant_k8v4", "nvfp4", "fp8_e5m2"]

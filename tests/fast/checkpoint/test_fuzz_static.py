@@ -31,7 +31,6 @@ from kvcalib.checkpoint import inspect as inspection
 from kvcalib.dtypes import DTYPES
 from kvcalib.errors import KvcalibError
 from kvcalib.kvcache import capacity
-from kvcalib.report import summaries
 from tiny_files import complete_weights
 
 EXAMPLES = int(os.environ.get("KVCALIB_FUZZ_EXAMPLES", "60"))
@@ -292,10 +291,7 @@ def _bounded(name: str, call) -> int:
         code = exc.exit_code
     else:
         code = result.exit_code if name == "verify" else 0
-        rendered = {verify.VerifyResult: summaries.verify_summary,
-                    inspection.Inspection: summaries.inspect_summary,
-                    capacity.Estimate: summaries.estimate_summary}[type(result)](result)
-        assert rendered
+        assert result.summary()
         json.dumps(result.to_dict())
     assert time.monotonic() - started < SECONDS_PER_CALL
     assert tracemalloc.get_traced_memory()[1] < PEAK_BYTES

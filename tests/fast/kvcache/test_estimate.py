@@ -16,7 +16,7 @@ from conftest import assert_error, run_kvcalib
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import capacity, geometry
 from kvcalib.kvcache.capacity import Kivi
-from kvcalib.report.summaries import estimate_summary
+from kvcalib.kvcache.summary import estimate_summary
 
 GiB = 2**30
 

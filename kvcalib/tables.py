@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcalib.checks import Check
+
+Render = Callable[[Sequence[str], Sequence[Sequence[Any]]], str]  # table, markdown_table
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
