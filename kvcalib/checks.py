@@ -4,7 +4,7 @@ command's result, which the CLI's output sink takes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 PASS, FAIL, ERROR, SKIP, WARN = "pass", "fail", "error", "skip", "warn"
 
@@ -44,6 +44,14 @@ class CommandResult:
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The result read back from its JSON form, each value checked against its field's
+        type (pydantic validates the dataclass); a ValueError when it is not one."""
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(cls).validate_python(data)
 
     def summary(self) -> str:
         raise NotImplementedError

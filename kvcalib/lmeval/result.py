@@ -174,6 +174,19 @@ class LmEvalResult(CommandResult):
     def summary(self) -> str:
         return lm_eval_summary(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LmEvalResult:
+        """to_dict's form read back: the configurations and their examples, from which every
+        table, comparison and verdict is computed again."""
+        samples = data["samples"]
+        configs = [ConfigRun(c["name"], c["kv_cache_dtype"], bool(c["ran"]), c.get("reason"),
+                             c.get("log"), c.get("start_seconds"),
+                             [{k: v for k, v in s.items() if k != "config"}
+                              for s in samples if s["config"] == c["name"]])
+                   for c in data["configs"]]
+        return cls(str(data["checkpoint"]), dict(data["options"]), configs,
+                   str(data["vllm_python"]), list(data.get("notes", [])))
+
 
 def _accuracy(scores: list[float]) -> dict[str, Any]:
     """Mean score with its 95% interval: Wilson's for right/wrong scores, a bootstrap for

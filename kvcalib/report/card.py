@@ -12,10 +12,12 @@ Updating: the generated part sits between BEGIN and END. Text outside them is ke
 for byte, the user's front matter keys are kept (ours are set), a README without the
 markers gets the part appended, and a second run with the same inputs gives the same bytes.
 
-Result JSON, by option (each may carry "command", the command line that produced it):
-- --eval: `kvcalib eval --json` (samples, reference_ppl, metrics, checks, ...);
-- --bench: `kvcalib bench --json` (workload, caches, ...);
-- --lm-eval: `kvcalib lm-eval --json` (table, comparisons, verdict);
+Result JSON, by option (each may carry "command", the command line that produced it),
+read back as the result type that wrote it (CommandResult.from_dict):
+- --eval: `kvcalib eval --json`, an EvalResult (samples, reference_ppl, metrics, checks...);
+- --bench: `kvcalib bench --json`, a BenchResult (workload, caches, ...);
+- --lm-eval: `kvcalib lm-eval --json`, an LmEvalResult (configs and samples, from which its
+  tables, comparisons and verdict are computed again);
 - any result whose shape is not the one expected, rendered generically, the
   first that fits: "summary_markdown" (Markdown, kept as it is); "rows", a list of objects
   (a table, one column per key); lm-evaluation-harness's own "results" ({task: {"metric,
@@ -26,11 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from kvcalib.bench.result import BenchResult
 from kvcalib.bench.summary import BENCH_HEADERS, bench_rows, workload_line
 from kvcalib.checkpoint.calibration_report import REPORT_FILE, CalibrationReport
+from kvcalib.checks import CommandResult
 from kvcalib.errors import UsageError
+from kvcalib.evaluate.result import EvalResult
 from kvcalib.evaluate.summary import (
     METRICS_HEADERS,
     engine_separate_summary,
@@ -40,10 +45,12 @@ from kvcalib.evaluate.summary import (
     skip_set_line,
 )
 from kvcalib.hub import HUB_ID
+from kvcalib.lmeval.result import LmEvalResult
 from kvcalib.reads import read_json
 from kvcalib.tables import markdown_table
 from kvcalib.text import value_range
 
+Typed = TypeVar("Typed", bound=CommandResult)
 BEGIN, END = "<!-- kvcalib:begin -->", "<!-- kvcalib:end -->"
 TAGS = ["kvcalib", "fp8", "kv-cache", "compressed-tensors"]
 SERVE = "vllm serve {name} --kv-cache-dtype fp8"
@@ -246,27 +253,35 @@ def _command(data: dict[str, Any]) -> str:
     return "Produced by: (not recorded: this JSON predates kvcalib's \"command\" field)"
 
 
-def _eval(data: dict[str, Any]) -> list[str]:
-    """kvcalib eval's metrics and checks, the JSON read back into its own types."""
-    from kvcalib.evaluate.metrics import Metrics
+def _read_back(kind: type[Typed], data: dict[str, Any], option: str, command: str) -> Typed:
+    """`data` as the result type that wrote it, or a usage error naming the option."""
+    try:
+        return kind.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        first = str(exc).splitlines()[0]
+        raise UsageError(f"{option}: not a `{command}` result ({type(exc).__name__}: "
+                         f"{first})") from None
 
+
+def _eval(data: dict[str, Any]) -> list[str]:
+    """kvcalib eval's metrics and checks, the JSON read back as an EvalResult."""
     if "summary_markdown" in data or "metrics" not in data:
         return generic(data)
+    result = _read_back(EvalResult, data, "--eval", "kvcalib eval --json")
     try:
-        s = data["samples"]
+        s = result.samples
         lines = [f"Held-out text: {s['source']}, {s['count']} samples ({s['tokens']:,} tokens, "
                  f"≤ {s['max_seq_len']} each), {s['excluded_calibration_rows']} calibration "
                  f"rows excluded; {s['dtype']}, rounding {s['rounding']}. Reference "
-                 f"perplexity {data['reference_ppl']:.4f}.", "",
-                 markdown_table(METRICS_HEADERS, metrics_rows(
-                     {k: Metrics(**v) for k, v in data["metrics"].items()}))]
-        extra = [f"Verdict: {data['verdict']}" if data.get("verdict") else "",
-                 passkey_line(data["passkey"]) if data.get("passkey") else ""]
-        if data.get("separate"):  # weights and KV apart, simulated and in vLLM
-            extra += separate_summary(data["separate"], markdown_table)
-        if (data.get("engine") or {}).get("separate"):
-            extra += engine_separate_summary(data["engine"]["separate"], markdown_table)
-        checks = [[c["group"], c["status"], c["message"]] for c in data.get("checks", [])]
+                 f"perplexity {result.reference_ppl:.4f}.", "",
+                 markdown_table(METRICS_HEADERS, metrics_rows(result.metrics))]
+        extra = [f"Verdict: {result.verdict}" if result.verdict else "",
+                 passkey_line(result.passkey) if result.passkey else ""]
+        if result.separate:  # weights and KV apart, simulated and in vLLM
+            extra += separate_summary(result.separate, markdown_table)
+        if (result.engine or {}).get("separate"):
+            extra += engine_separate_summary(result.engine["separate"], markdown_table)
+        checks = [[c.group, c.status, c.message] for c in result.checks]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--eval: not a `kvcalib eval --json` result ({type(exc).__name__}: "
                          f"{exc})") from None
@@ -278,14 +293,14 @@ def _eval(data: dict[str, Any]) -> list[str]:
 
 
 def _bench(data: dict[str, Any]) -> list[str]:
-    """kvcalib bench's table: median over the repeats, range in brackets."""
-    from kvcalib.bench.result import CacheRun
-
+    """kvcalib bench's table, the JSON read back as a BenchResult: median over the repeats,
+    range in brackets."""
     if "summary_markdown" in data or "caches" not in data:
         return generic(data)
+    result = _read_back(BenchResult, data, "--bench", "kvcalib bench --json")
+    caches = result.caches
     try:
-        caches = [CacheRun(**cache) for cache in data["caches"]]
-        lines = [workload_line(data["workload"]) + ". Median over the repeats, range in "
+        lines = [workload_line(result.workload) + ". Median over the repeats, range in "
                  "brackets.", "", markdown_table(BENCH_HEADERS, bench_rows(caches))]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--bench: not a `kvcalib bench --json` result ({type(exc).__name__}: "
@@ -294,24 +309,26 @@ def _bench(data: dict[str, Any]) -> list[str]:
     useful = [f"{c.label} {c.useful_concurrency}" for c in caches
               if c.ran and c.useful_concurrency is not None]
     if useful:
-        lines += ["", f"Useful concurrency (targets {data.get('targets')}): {', '.join(useful)}"]
+        lines += ["", f"Useful concurrency (targets {result.targets}): {', '.join(useful)}"]
     return lines
 
 
 def _lm_eval(data: dict[str, Any]) -> list[str]:
-    """`kvcalib lm-eval --json`: accuracy per configuration, task and length with its 95%
-    interval, the paired comparisons and the recovery sentences; else `generic`."""
+    """`kvcalib lm-eval --json`, read back as an LmEvalResult: accuracy per configuration,
+    task and length with its 95% interval, the paired comparisons and the recovery
+    sentences, computed again from its examples; else `generic`."""
     if "summary_markdown" in data or "comparisons" not in data:
         return generic(data)
+    result = _read_back(LmEvalResult, data, "--lm-eval", "kvcalib lm-eval --json")
     try:
         accuracy = [[row["config"], row["task"], row["length"], row["n"],
                      f"{row['accuracy']:.1%}" + (f" [{row['low']:.1%}, {row['high']:.1%}]"
                                                  if row.get("low") is not None else "")]
-                    for row in data["table"]]
+                    for row in result.table()]
         pairs = [[f"{c['b']} vs {c['a']}", c["n"], c["only_a"], c["only_b"],
                   f"{c['p_value']:.3g}", f"{c['difference']:+.1%}"
                   + (f" [{c['low']:+.1%}, {c['high']:+.1%}]" if c.get("low") is not None
-                     else ""), c["verdict"]] for c in data["comparisons"]]
+                     else ""), c["verdict"]] for c in result.comparisons()]
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"--lm-eval: not a `kvcalib lm-eval --json` result "
                          f"({type(exc).__name__}: {exc})") from None
@@ -319,7 +336,7 @@ def _lm_eval(data: dict[str, Any]) -> list[str]:
     if pairs:
         lines += ["", markdown_table(["b vs a", "pairs", "only a right", "only b right",
                                       "McNemar p", "accuracy b - a [95%]", "verdict"], pairs)]
-    verdict = [f"- {line}" for line in data.get("verdict", [])]
+    verdict = [f"- {line}" for line in result.verdict()]
     return [*lines, "", *verdict] if verdict else lines
 
 

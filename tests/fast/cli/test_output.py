@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from kvcalib.bench.result import BenchResult
 from kvcalib.checkpoint.convert import Conversion
 from kvcalib.checkpoint.inspect import Inspection
@@ -68,3 +69,20 @@ def test_json_on_stdout_replaces_the_summary(capsys, monkeypatch):
     assert Output(json_path=Path("-")).emit(result) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == {"command": "kvcalib convert", **result.to_dict()}
+
+
+@pytest.mark.parametrize(("kind", "name"), [(EvalResult, "eval.json"), (BenchResult, "bench.json"),
+                                            (LmEvalResult, "lm-eval.json")])
+def test_measured_json_reads_back_as_its_result(kind, name):
+    """The JSON of real runs (docs/measured), read back as its type, writes the same JSON:
+    lm-eval's tables, comparisons and verdict computed again from its examples included."""
+    written = json.loads((ROOT / "docs" / "measured" / "card-smollm2" / name).read_text())
+    written.pop("command")
+    again = json.loads(json.dumps(kind.from_dict(written).to_dict()))
+    assert {key: again[key] for key in written} == written  # newer fields: their defaults
+
+
+def test_a_result_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match="reference_ppl"):
+        EvalResult.from_dict({"checkpoint": "c", "samples": {}, "metrics": {},
+                              "reference_ppl": "high"})

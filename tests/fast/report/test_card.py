@@ -153,7 +153,8 @@ def test_bench_table(ckpt, tmp_path):
 
 def test_lm_eval_tables(ckpt, tmp_path):
     """`kvcalib lm-eval --json` as measured: each accuracy with its Wilson interval, each
-    paired comparison, the recovery sentences; a malformed one is a usage error."""
+    paired comparison, the recovery sentences (the card computes them again from the
+    examples, and they must be the ones the run wrote); a malformed one is a usage error."""
     measured = ROOT / "docs" / "measured" / "card-smollm2" / "lm-eval.json"
     data = json.loads(measured.read_text())
     text = card(ckpt, "--lm-eval", measured, "--print")
@@ -166,7 +167,7 @@ def test_lm_eval_tables(ckpt, tmp_path):
     assert all(f"- {line}" in text for line in data["verdict"])
     assert f"`{data['command']}`" in text
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({**data, "table": [{"config": "auto"}]}))
+    broken.write_text(json.dumps({**data, "configs": [{"name": "auto"}]}))
     assert_error(run_kvcalib("card", ckpt, "--lm-eval", broken, "--print"), 2,
                  "not a `kvcalib lm-eval --json` result")
 
