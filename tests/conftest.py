@@ -47,18 +47,58 @@ def ctrl_c_reaches_it() -> None:
 
 
 # In the fast tier (torch and vLLM made unimportable, tests/fast/no_torch) a command runs
-# in this process, through the console script's own entry point: a new interpreter costs
-# more than the command itself there. A test that bounds the command (timeout, memory,
-# signals, another folder or environment) passes those arguments and gets a real process.
+# through the console script's own entry point without a new interpreter, which costs more
+# than the command itself there: in this process, or, when the test bounds it (a timeout,
+# a preexec_fn such as a memory cap), in a child forked from this one. A test that needs
+# another folder, environment or signals passes those arguments and gets a new process.
 IN_PROCESS = sys.modules.get("torch", ...) is None
 
 
 def run_kvcalib(*args: object, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
     """Run the `kvcalib` console script, as a user or pipeline would."""
     argv = [str(KVCALIB), *map(str, args)]
-    if IN_PROCESS and not kwargs and timeout == 900:
-        return _in_process(argv)
+    if IN_PROCESS and set(kwargs) <= {"preexec_fn"}:
+        if not kwargs and timeout == 900:
+            return _in_process(argv)
+        return _forked(argv, timeout, kwargs.get("preexec_fn"))
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _forked(argv: list[str], timeout: float,
+            preexec_fn: Callable[[], None] | None) -> subprocess.CompletedProcess:
+    """The command in a process of its own, forked from this one (its imports done):
+    `preexec_fn` runs there first, and the child is killed after `timeout` seconds
+    (subprocess.TimeoutExpired, as subprocess.run raises)."""
+    import tempfile
+    import time
+    import traceback
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            code = 70
+            try:
+                if preexec_fn is not None:
+                    preexec_fn()
+                done = _in_process(argv)
+                os.write(out.fileno(), done.stdout.encode())
+                os.write(err.fileno(), done.stderr.encode())
+                code = done.returncode
+            except BaseException:
+                os.write(err.fileno(), traceback.format_exc().encode())
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            time.sleep(0.005)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status[1]),
+                                           out.read().decode(), err.read().decode())
 
 
 def _in_process(argv: list[str]) -> subprocess.CompletedProcess:
