@@ -291,6 +291,13 @@ def smol_tensor_q(tmp_path_factory, demo_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol_tensor(tmp_path_factory, demo_model) -> Path:
+    """SmolLM2 calibrated through the CLI: per-tensor k/v scales, on smol_attn_head's
+    samples."""
+    return _calibrate_demo(tmp_path_factory, demo_model, "smol-tensor", "--strategy", "tensor")
+
+
+@pytest.fixture(scope="session")
 def smol_attn_head(tmp_path_factory, demo_model) -> Path:
     """SmolLM2 calibrated through the CLI: per-KV-head scales."""
     return _calibrate_demo(tmp_path_factory, demo_model, "smol-attn-head", "--strategy",

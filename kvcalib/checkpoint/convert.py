@@ -53,21 +53,30 @@ class Conversion(CommandResult):
         return convert_summary(self)
 
 
-def convert(source: str | Path, to: str, output: str | Path,
-            overwrite: bool = False) -> Conversion:
-    """Write `source` with its KV scales in format `to` to `output` (atomically)."""
-    if to not in layouts.TARGETS:
+def convert(source: str | Path, to: str | None, output: str | Path, overwrite: bool = False,
+            strategy: str | None = None) -> Conversion:
+    """Write `source` with its KV scales in format `to` (None: its own) and `strategy`
+    (None: its own, where `to` keeps per-head scales, else tensor) to `output` (atomically).
+
+    Per-head scales become per-tensor ones by their largest head: FP8 rounding is monotone,
+    so that is exactly the scale a per-tensor calibration on the same samples stores."""
+    if to is not None and to not in layouts.TARGETS:
         raise UsageError(f"unknown format {to!r}; convert writes {', '.join(layouts.TARGETS)}")
-    layout = layouts.LAYOUTS[to]
+    if strategy not in (None, "tensor", "attn_head"):
+        raise UsageError(f"unknown strategy {strategy!r}; choose one of tensor, attn_head")
     folder = Path(source)
     ckpt, checks = open_checkpoint(folder)  # a missing folder is a UsageError
-    scheme = _convertible(ckpt, checks, to)
+    scheme = _convertible(ckpt, checks)
+    to = to or scheme.layout
+    layout = layouts.LAYOUTS[to]
+    strategy = _target_strategy(folder, scheme, to, strategy)
     target = check_output_target(Path(output), folder, overwrite)
     notes = [c.message for c in checks if c.group == "measurement" and c.status == WARN]
-    strategy = scheme.strategy if layout.per_head else "tensor"
     if strategy != scheme.strategy:
+        why = (f"{to} has one scale per layer" if not layout.per_head else
+               "what a per-tensor calibration on the same samples stores")
         notes.append(f"{scheme.strategy} scales became per-tensor ones, the largest head's: "
-                     f"{to} has one scale per layer")
+                     f"{why}")
     if scheme.quantizes_query:
         notes.append("q scales were left out: kvcalib converts k and v scales only")
     left_out = [name for name in (REPORT_FILE, RECIPE_FILE) if (folder / name).exists()]
@@ -89,7 +98,23 @@ def convert(source: str | Path, to: str, output: str | Path,
                        for name, (dtype, _, raw) in scales.items()}, notes)
 
 
-def _convertible(ckpt: Checkpoint, checks: list, to: str) -> layouts.KvScheme:
+def _target_strategy(folder: Path, scheme: layouts.KvScheme, to: str,
+                     strategy: str | None) -> str:
+    """The strategy of the written scales, or a usage error saying why it cannot be."""
+    per_head = layouts.LAYOUTS[to].per_head
+    chosen = strategy or (scheme.strategy if per_head else "tensor")
+    if chosen == "attn_head" and scheme.strategy != "attn_head":
+        raise UsageError(f"{folder} has per-tensor scales: one scale per layer cannot become "
+                         "one per head; calibrate with --strategy attn_head")
+    if chosen == "attn_head" and not per_head:
+        raise UsageError(f"{to} has one KV scale per layer, no per-head scales; convert with "
+                         "--strategy tensor (the largest head's)")
+    if (to, chosen) == (scheme.layout, scheme.strategy):
+        raise UsageError(f"{folder} is already a {to} checkpoint with {chosen} scales")
+    return chosen
+
+
+def _convertible(ckpt: Checkpoint, checks: list) -> layouts.KvScheme:
     """The source's scheme, once its KV scales are known readable and its weights plain."""
     folder = ckpt.folder
     failed = {c.group: c.message for c in reversed(checks) if c.status == FAIL}
@@ -103,8 +128,6 @@ def _convertible(ckpt: Checkpoint, checks: list, to: str) -> layouts.KvScheme:
     if scheme.layout not in layouts.TARGETS:
         raise UsageError(f"{folder} is a {scheme.layout} checkpoint; convert reads "
                          f"{', '.join(layouts.TARGETS)}")
-    if scheme.layout == to:
-        raise UsageError(f"{folder} is already a {to} checkpoint")
     if not scheme.fp8:
         raise UsageError(f"{folder} declares a KV cache other than FP8 E4M3 "
                          f"({scheme.declared}); convert moves FP8 scales only")

@@ -128,6 +128,14 @@ def test_bad_input(tmp_path):
         ((quark, "--to", "gguf"), "'gguf' is not one of 'compressed-tensors', 'modelopt', "
                                   "'quark'"),
         ((quark, "--to", "quark"), f"{quark} is already a quark checkpoint"),
+        ((quark,), f"{quark} is already a quark checkpoint with tensor scales"),
+        ((ct, "--strategy", "attn_head"), "already a compressed-tensors checkpoint with "
+                                         "attn_head scales"),
+        ((quark, "--to", "modelopt", "--strategy", "attn_head"),
+         "has per-tensor scales: one scale per layer cannot become one per head"),
+        ((ct, "--to", "quark", "--strategy", "attn_head"), "quark has one KV scale per layer, "
+                                                           "no per-head scales"),
+        ((ct, "--strategy", "channel"), "'channel' is not one of 'tensor', 'attn_head'"),
         ((plain, "--to", "quark"), f"{plain} has no KV scales to convert: the checkpoint "
                                    "declares no KV-cache quantization"),
         ((fp8_weights, "--to", "quark"), "has quantized weights (e.g. model.layers.0.mlp."
