@@ -54,6 +54,7 @@ from kvcalib.checkpoint.write import RECIPE_FILE, copy_side_files, write_checkpo
 from kvcalib.checks import Check, CommandResult
 from kvcalib.data import select_samples
 from kvcalib.dtypes import E4M3_MAX
+from kvcalib.engine.targets import serving_notes
 from kvcalib.errors import CheckFailed
 from kvcalib.reads import load_config
 from kvcalib.text import Log, stderr
@@ -91,7 +92,9 @@ class CalibrationResult(CommandResult):
         return "\n".join([calibration_summary(self.report),
                           f"Weights:    {weights_line}",
                           f"Checkpoint: {self.output}",
-                          f"Report:     {self.output / REPORT_FILE}"])
+                          f"Report:     {self.output / REPORT_FILE}",
+                          *(f"Note: {note.message}"
+                            for note in serving_notes(self.report.scheme.strategy))])
 
 
 def calibrate(model: str | Path, output: str | Path, *, scales: ScaleOptions = ScaleOptions(),

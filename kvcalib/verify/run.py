@@ -29,6 +29,7 @@ from kvcalib.engine.compare import compare_runs
 from kvcalib.engine.interpreter import resolve_vllm_python
 from kvcalib.engine.log import HARDWARE
 from kvcalib.engine.process import ProbeRequest, ProbeRun, log_folder, run_probe
+from kvcalib.engine.targets import serving_notes
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import geometry
 from kvcalib.text import Log, stderr
@@ -63,6 +64,7 @@ def verify(folder: str | Path, *, static_only: bool = False,
     """Static checks, then (unless static_only) the engine check in the serving env."""
     folder = Path(folder)
     ckpt, checks = open_checkpoint(folder)
+    checks += serving_notes(ckpt.scheme and ckpt.scheme.strategy)
     result = VerifyResult(str(folder.resolve()), checks,
                           scheme=asdict(ckpt.scheme) if ckpt.scheme else {})
     if static_only:
