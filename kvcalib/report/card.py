@@ -329,14 +329,14 @@ def _lm_eval(data: dict[str, Any]) -> list[str]:
                   f"{c['p_value']:.3g}", f"{c['difference']:+.1%}"
                   + (f" [{c['low']:+.1%}, {c['high']:+.1%}]" if c.get("low") is not None
                      else ""), c["verdict"]] for c in result.comparisons()]
-    except (KeyError, TypeError, ValueError) as exc:
+        verdict = [f"- {line}" for line in result.verdict()]  # reads options.min_recovery
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"--lm-eval: not a `kvcalib lm-eval --json` result "
                          f"({type(exc).__name__}: {exc})") from None
     lines = [markdown_table(["config", "task", "length", "n", "accuracy [95%]"], accuracy)]
     if pairs:
         lines += ["", markdown_table(["b vs a", "pairs", "only a right", "only b right",
                                       "McNemar p", "accuracy b - a [95%]", "verdict"], pairs)]
-    verdict = [f"- {line}" for line in result.verdict()]
     return [*lines, "", *verdict] if verdict else lines
 
 

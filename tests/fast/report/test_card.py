@@ -167,9 +167,11 @@ def test_lm_eval_tables(ckpt, tmp_path):
     assert all(f"- {line}" in text for line in data["verdict"])
     assert f"`{data['command']}`" in text
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({**data, "configs": [{"name": "auto"}]}))
-    assert_error(run_kvcalib("card", ckpt, "--lm-eval", broken, "--print"), 2,
-                 "not a `kvcalib lm-eval --json` result")
+    for bad in ({"configs": [{"name": "auto"}]}, {"options": {}}, {"samples": [1]},
+                {"options": []}):
+        broken.write_text(json.dumps({**data, **bad}))
+        assert_error(run_kvcalib("card", ckpt, "--lm-eval", broken, "--print"), 2,
+                     "not a `kvcalib lm-eval --json` result")
 
 
 def test_generic_results(ckpt, tmp_path):
