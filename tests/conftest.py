@@ -142,11 +142,11 @@ def kvcalib_run(model: object, output: object, *extra: object,
                        "--num-samples", 2, "--max-seq-len", 16, *extra, **kwargs)
 
 
-def verify_static(ckpt: Path, out_dir: Path) -> tuple[int, dict, str]:
+def verify_static(ckpt: Path, out_dir: Path, *extra: object) -> tuple[int, dict, str]:
     """`kvcalib verify --static-only`: the exit code, the JSON report (a JUnit file beside
     it) and what was printed."""
     result = run_kvcalib("verify", ckpt, "--static-only", "--json", out_dir / "v.json",
-                         "--junit", out_dir / "v.xml")
+                         "--junit", out_dir / "v.xml", *extra)
     return result.returncode, json.loads((out_dir / "v.json").read_text()), result.stdout
 
 

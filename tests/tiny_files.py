@@ -123,6 +123,25 @@ def complete_weights(config: dict) -> dict[str, np.ndarray]:
     return {name: np.zeros(1, dtype=np.float16) for name in sorted(names)}
 
 
+def kv_checkpoint(folder: Path, strategy: str = "tensor", head_dim: int = 64,
+                  **extra: object) -> Path:
+    """A two-layer Llama-shaped checkpoint (8 query and 2 KV heads of `head_dim`) with
+    scales of 0.02 per layer or per KV head; `extra` goes into config.json."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "hidden_size": 8 * head_dim, "torch_dtype": "bfloat16",
+              "quantization_config": {**KV_SCHEME, "kv_cache_scheme": {
+                  **KV_SCHEME["kv_cache_scheme"], "strategy": strategy}}, **extra}
+    (folder / "config.json").write_text(json.dumps(config))
+    shape = (2, 1, 1) if strategy == "attn_head" else (1,)
+    scales = {f"model.layers.{i}.self_attn.{k}_scale": np.full(shape, 0.02, np.float32)
+              for i in (0, 1) for k in "kv"}
+    save_file({**complete_weights(config), **scales}, folder / "model.safetensors")
+    return folder
+
+
 def input_folder(root: Path, cached: bool) -> Path:
     """Where a test's input goes: a plain folder, or a snapshot of the Hugging Face cache
     (models--ORG--NAME/snapshots/REV), whose files as_cache_links turns into links."""

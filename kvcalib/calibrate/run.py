@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,7 +54,7 @@ from kvcalib.checkpoint.write import RECIPE_FILE, copy_side_files, write_checkpo
 from kvcalib.checks import Check, CommandResult
 from kvcalib.data import select_samples
 from kvcalib.dtypes import E4M3_MAX
-from kvcalib.engine.targets import serving_notes
+from kvcalib.engine import targets as serving
 from kvcalib.errors import CheckFailed
 from kvcalib.reads import load_config
 from kvcalib.text import Log, stderr
@@ -82,6 +82,7 @@ class CalibrationResult(CommandResult):
     output: Path
     report: CalibrationReport
     rank: int = 0
+    serving: list[serving.Verdict] = field(default_factory=list)  # the common targets
 
     def to_dict(self) -> dict[str, Any]:
         return self.report.model_dump(mode="json", exclude_unset=True)
@@ -93,8 +94,7 @@ class CalibrationResult(CommandResult):
                           f"Weights:    {weights_line}",
                           f"Checkpoint: {self.output}",
                           f"Report:     {self.output / REPORT_FILE}",
-                          *(f"Note: {note.message}"
-                            for note in serving_notes(self.report.scheme.strategy))])
+                          *([serving.serving_table(self.serving)] if self.serving else [])])
 
 
 def calibrate(model: str | Path, output: str | Path, *, scales: ScaleOptions = ScaleOptions(),
@@ -221,7 +221,10 @@ def calibrate(model: str | Path, output: str | Path, *, scales: ScaleOptions = S
             write_report(tmp, built)
             # The checkpoint appears only once every rank is still there.
             distributed.barrier(ranks, WRITTEN)
-    return CalibrationResult(checked.target, built, ranks.rank)
+    written_traits = serving.traits(config, list(source.tensors), "compressed-tensors",
+                                    scales.strategy, scales.q_scale)
+    return CalibrationResult(checked.target, built, ranks.rank,
+                             serving.where_it_serves(written_traits, serving.targets(None)))
 
 
 def write_report(folder: Path, report: CalibrationReport) -> None:

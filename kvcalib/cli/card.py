@@ -48,6 +48,7 @@ def card(
     of --eval, --bench and --lm-eval, each with the command that produced it. An existing
     README keeps everything outside <!-- kvcalib:begin --> ... <!-- kvcalib:end -->."""
     from kvcalib.checkpoint.calibration_report import REPORT_FILE, load_report
+    from kvcalib.engine.targets import checkpoint_serving
     from kvcalib.reads import read_bounded
     from kvcalib.report.card import (
         Results,
@@ -84,7 +85,8 @@ def card(
     for note in measured_elsewhere(results, checkpoint):
         info(f"Note: {note}")
     written = render_card(report, existing, name or checkpoint.resolve().name,
-                          base_model or default_base_model(report), results)
+                          base_model or default_base_model(report), results,
+                          checkpoint_serving(checkpoint))
     for note in written.notes:
         info(f"Note: {note}")
     if target is None:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvcalib.choices import comma_separated
 from kvcalib.cli._options import (
     JsonOut,
     JunitOut,
@@ -27,6 +28,12 @@ def verify(
     static_only: Annotated[bool, typer.Option(
         "--static-only", help="Only read config and scales; do not start vLLM.")] = False,
     options: EngineOptions = EngineOptions(),
+    target: Annotated[list[str] | None, typer.Option(
+        "--target", callback=comma_separated,
+        help="Serving targets to gate on (repeat or use commas; `all`: every one): exit 1 "
+             "unless each serves the scales as calibrated. Names: kvcalib targets or "
+             "docs/targets.md. Without it the common targets are shown, gating nothing."
+    )] = None,
     json_path: JsonOut = None,
     junit: JunitOut = None,
     log_dir: LogDir = None,
@@ -36,6 +43,6 @@ def verify(
 
     out, logs = engine_command_output("verify", checkpoint, json_path, junit, log_dir,
                                       starts_engine=not static_only)
-    result = run_verify(checkpoint, static_only=static_only, options=options, log_dir=logs,
-                        log=info)
+    result = run_verify(checkpoint, static_only=static_only, options=options, targets=target,
+                        log_dir=logs, log=info)
     raise typer.Exit(out.emit(result))

@@ -26,6 +26,7 @@ read back as the result type that wrote it (CommandResult.from_dict):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ from kvcalib.bench.result import BenchResult
 from kvcalib.bench.summary import BENCH_HEADERS, bench_rows, workload_line
 from kvcalib.checkpoint.calibration_report import REPORT_FILE, CalibrationReport
 from kvcalib.checks import CommandResult
+from kvcalib.engine.targets import Outcome, Verdict, fix_hint
 from kvcalib.errors import UsageError
 from kvcalib.evaluate.result import EvalResult
 from kvcalib.evaluate.summary import (
@@ -105,9 +107,10 @@ def default_base_model(report: CalibrationReport) -> str | None:
 
 
 def render_card(report: CalibrationReport, existing: str, name: str,
-                base_model: str | None, results: Results) -> Card:
+                base_model: str | None, results: Results,
+                serving: Sequence[Verdict] = ()) -> Card:
     """The README's new text: `existing` (may be empty) with our front matter keys set and
-    the generated part put between the markers."""
+    the generated part put between the markers; `serving`: where it serves (every target)."""
     notes = []
     metadata: dict[str, Any] = {"library_name": "vllm"}
     if base_model:
@@ -116,7 +119,8 @@ def render_card(report: CalibrationReport, existing: str, name: str,
         notes.append(f"no --base-model, and the input model {report.model.source} is not a "
                      "hub id: the front matter keeps the base_model it had (a new card has "
                      "none); pass --base-model ORG/NAME")
-    block = "\n".join([BEGIN, *_body(report, name, base_model, results, notes), END])
+    block = "\n".join([BEGIN, *_body(report, name, base_model, results, notes),
+                       *_where_it_serves(serving), END])
     return Card(_merge(existing, block, metadata), notes)
 
 
@@ -203,6 +207,21 @@ def _serving(name: str, evaluation: dict[str, Any] | None, notes: list[str]) -> 
             "`--kv-cache-dtype auto`; `fp8` says so explicitly, and `--kv-cache-dtype "
             "bfloat16` keeps the cache in the model dtype (the scales unused). On CPU, an FP8 "
             "cache needs x86 with AVX-512 or AMX."]
+
+
+def _where_it_serves(verdicts: Sequence[Verdict]) -> list[str]:
+    """What each engine and GPU does with these scales (docs/targets.md has the rules)."""
+    if not verdicts:
+        return []
+    rows = [[v.target, v.engine, v.hardware, f"**{v.outcome}**",
+             "" if v.outcome == Outcome.SERVES else f"{v.says} ({v.source})"]
+            for v in verdicts]
+    hint = fix_hint(verdicts)
+    return ["", "## Where it serves", "",
+            "What each engine does with these scales, from its own source at the pinned "
+            "version (`kvcalib verify --target all` gives the same verdict):", "",
+            markdown_table(["target", "engine", "hardware", "outcome", "why"], rows),
+            *(["", hint] if hint else [])]
 
 
 def _provenance(report: CalibrationReport) -> list[str]:

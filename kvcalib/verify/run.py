@@ -16,6 +16,7 @@ machine that cannot run an FP8 KV cache), else 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,11 @@ import numpy as np
 from kvcalib.checkpoint.read import Checkpoint, Scale, open_checkpoint, short
 from kvcalib.checks import ERROR, FAIL, PASS, SKIP, WARN, Check, CommandResult
 from kvcalib.data import corpus
+from kvcalib.engine import targets as serving
 from kvcalib.engine.compare import compare_runs
 from kvcalib.engine.interpreter import resolve_vllm_python
 from kvcalib.engine.log import HARDWARE
 from kvcalib.engine.process import ProbeRequest, ProbeRun, log_folder, run_probe
-from kvcalib.engine.targets import serving_notes
 from kvcalib.errors import UsageError
 from kvcalib.kvcache import geometry
 from kvcalib.text import Log, stderr
@@ -48,10 +49,14 @@ class VerifyResult(CommandResult):
     checks: list[Check] = field(default_factory=list)
     scheme: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
+    traits: serving.Traits | None = None
+    serving: list[serving.Verdict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "exit_code": self.exit_code,
                 "passed": self.exit_code == 0, "scheme": self.scheme, "engine": self.engine,
+                "traits": asdict(self.traits) if self.traits else None,
+                "serving": [asdict(v) for v in self.serving],
                 "checks": [asdict(c) for c in self.checks]}
 
     def summary(self) -> str:
@@ -59,14 +64,19 @@ class VerifyResult(CommandResult):
 
 
 def verify(folder: str | Path, *, static_only: bool = False,
-           options: EngineOptions = EngineOptions(), log_dir: Path | None = None,
-           log: Log = stderr) -> VerifyResult:
-    """Static checks, then (unless static_only) the engine check in the serving env."""
+           options: EngineOptions = EngineOptions(), targets: Sequence[str] | None = None,
+           log_dir: Path | None = None, log: Log = stderr) -> VerifyResult:
+    """Static checks, where it serves (gating the named `targets`: see
+    kvcalib.engine.targets), then (unless static_only) the engine check in the serving env."""
     folder = Path(folder)
+    chosen = serving.targets(targets)
     ckpt, checks = open_checkpoint(folder)
-    checks += serving_notes(ckpt.scheme and ckpt.scheme.strategy)
     result = VerifyResult(str(folder.resolve()), checks,
-                          scheme=asdict(ckpt.scheme) if ckpt.scheme else {})
+                          scheme=asdict(ckpt.scheme) if ckpt.scheme else {},
+                          traits=serving.checkpoint_traits(ckpt))
+    if result.traits is not None:
+        result.serving = serving.where_it_serves(result.traits, chosen)
+        checks += serving.serving_checks(result.serving, gate=bool(targets))
     if static_only:
         checks.append(Check("engine", SKIP, "--static-only: vLLM was not started"))
         return result

@@ -90,6 +90,19 @@ def test_same_inputs_give_identical_bytes(smol_attn_head, demo_model, tmp_path):
     assert result.returncode == 0, result.stderr
     for name in ("kv_scales.safetensors", "model.safetensors.index.json", "config.json"):
         assert (out / name).read_bytes() == (smol_attn_head / name).read_bytes(), name
+    # It ends with where per-head scales serve, and the fix where they do not.
+    served = served_table(result.stdout)
+    assert served["vllm-hopper"] == "serves" and served["vllm-ampere"] == "refuses"
+    assert served["sglang-hopper"] == "scale 1.0" and served["vllm-cpu-avx512"] == "reduced"
+    assert "per-head quant scales not supported" in result.stdout
+    assert "kvcalib convert CKPT --strategy tensor" in result.stdout
+
+
+def served_table(stdout: str) -> dict[str, str]:
+    """run's "Where it serves" table: target -> outcome."""
+    rows = stdout.split("Where it serves:\n", 1)[1].splitlines()[2:]
+    return {row.split("  ")[0]: row.split("  ", 1)[1].strip().split("  ")[0]
+            for row in rows if row.startswith(("vllm", "sglang"))}
 
 
 def test_sequential_pipeline_gives_the_same_scales(smol_attn_head, demo_model, tmp_path):
@@ -113,3 +126,5 @@ def test_summary_table_and_progress(smol_tensor_q, demo_model, tmp_path):
     assert [int(line.split()[0]) for line in lines[2:2 + LAYERS]] == list(range(LAYERS))
     assert lines[2 + LAYERS].startswith("2 samples x <= 32 tokens")
     assert f"Checkpoint: {tmp_path / 'o'}" in result.stdout
+    served = served_table(result.stdout)
+    assert len(served) >= 9 and set(served.values()) == {"serves"}  # per-tensor, head 64

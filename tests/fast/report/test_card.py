@@ -15,7 +15,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from conftest import ROOT, assert_error, run_kvcalib
-from tiny_files import CONFIG, valid_report
+from tiny_files import CONFIG, kv_checkpoint, valid_report
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 OURS = ["kvcalib", "fp8", "kv-cache", "compressed-tensors"]
@@ -80,6 +80,25 @@ def test_front_matter_and_provenance_read_back(ckpt):
     assert "strategy attn_head" in text
     assert "llmcompressor 0.14.0.1, torch 2.13.0+cpu" in text
     assert "vllm serve smol-fp8 --kv-cache-dtype fp8\n" in text  # no skip layers made up
+
+
+def test_where_it_serves_section(tmp_path):
+    """Every serving target's verdict for the checkpoint's own scheme, the engine's reason
+    beside each that does not serve the scales, and the fix for per-head scales."""
+    from kvcalib.engine.targets import TARGETS
+
+    folder = kv_checkpoint(tmp_path / "heads", "attn_head")
+    (folder / "kvcalib_report.json").write_text(json.dumps(valid_report(2)))
+    text = card(folder, "--print")
+    section = text.split("## Where it serves", 1)[1].split(END, 1)[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| target")}
+    assert set(rows) == set(TARGETS)
+    assert "**serves**" in rows["vllm-hopper"]
+    assert "**refuses**" in rows["vllm-ampere"]
+    assert "per-head quant scales not supported" in rows["vllm-ampere"]
+    assert "**scale 1.0**" in rows["sglang-hopper"]
+    assert "kvcalib convert CKPT --strategy tensor" in section
 
 
 def test_eval_table_command_and_skip_layers(ckpt, tmp_path):
