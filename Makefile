@@ -54,7 +54,7 @@ test: setup
 	.venv/bin/ruff check kvcalib tests scripts
 	.venv/bin/lint-imports
 	.venv/bin/kvcalib demo-model
-	.venv/bin/python -m pytest -v --durations=15
+	.venv/bin/python -m pytest -v --durations=15 -n 2 --dist loadfile
 
 # Tests that need neither torch nor vLLM; importing either fails them (tests/fast/no_torch).
 # Two pytest workers: a machine of this project has two cores.
