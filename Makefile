@@ -11,9 +11,17 @@ TORCH_PIN := torch==$(word 2,$(subst -, ,$(notdir $(TORCH_WHEEL))))
 TORCH_INDEX := https://download.pytorch.org/whl/cpu
 export UV_PYTHON := 3.11
 
-.PHONY: setup calib-env serve-env demo test test-fast lint bench lock
+.PHONY: setup calib-env serve-env gpu-envs demo test test-fast lint bench lock gpu-lock-check \
+	gpu-kit
 
+# On a machine whose nvidia-smi lists a GPU, or with KVCALIB_GPU=1, setup syncs the GPU
+# environments of gpu/ (PyPI's CUDA torch, vLLM's CUDA release); KVCALIB_GPU=0 forces CPU.
+KVCALIB_GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+ifeq ($(KVCALIB_GPU),1)
+setup: gpu-envs
+else
 setup: calib-env serve-env
+endif
 
 # uv itself, pinned, from PyPI, inside this clone.
 $(UV):
@@ -39,9 +47,29 @@ serve-env: $(UV) $(TORCH_WHEEL)
 	@if [ -L .venv-serve ]; then rm .venv-serve; fi
 	UV_PROJECT_ENVIRONMENT=.venv-serve $(UV) sync --locked --only-group serve
 
-# After changing a pin in pyproject.toml: `make lock`, then commit uv.lock.
+# The same two environments for GPUs, from gpu/uv.lock (docs/environments.md).
+gpu-envs: $(UV)
+	@if [ -L .venv ]; then rm .venv; fi
+	UV_PROJECT_ENVIRONMENT=$(CURDIR)/.venv $(UV) sync --locked --project gpu
+	UV_PROJECT_ENVIRONMENT=$(CURDIR)/.venv-serve $(UV) sync --locked --project gpu --only-group serve
+
+# After changing a pin in pyproject.toml or gpu/pyproject.toml: `make lock`, then commit
+# uv.lock and gpu/uv.lock.
 lock: $(UV) $(TORCH_WHEEL)
 	$(UV) lock
+	$(UV) lock --project gpu
+
+# CI: the GPU lock matches its pyproject, and both GPU environments resolve from it for
+# this platform (a dry-run sync into a scratch folder; no GPU needed, nothing installed).
+gpu-lock-check: $(UV) $(TORCH_WHEEL)
+	$(UV) lock --check --project gpu
+	UV_PROJECT_ENVIRONMENT=$$(mktemp -d)/calib $(UV) sync --dry-run --quiet --locked --project gpu
+	UV_PROJECT_ENVIRONMENT=$$(mktemp -d)/serve $(UV) sync --dry-run --quiet --locked \
+	    --project gpu --only-group serve
+
+# The Python 3.12 wheels a lent GPU machine lacks, into .gpu-kit/ (docs/gpu.md).
+gpu-kit: calib-env
+	.venv/bin/python scripts/gpu_kit.py
 
 demo: setup
 	.venv/bin/kvcalib demo
@@ -50,7 +78,7 @@ lint: calib-env
 	.venv/bin/ruff check kvcalib tests scripts
 	.venv/bin/lint-imports
 
-test: setup
+test: setup gpu-lock-check
 	.venv/bin/ruff check kvcalib tests scripts
 	.venv/bin/lint-imports
 	.venv/bin/kvcalib demo-model
