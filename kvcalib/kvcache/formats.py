@@ -115,8 +115,16 @@ def quantized_layers(fmt: KVFormat, attention_layers: list[int], num_hidden_laye
 
 
 def nvfp4_global_scale(absmax: float, kv_cache_dtype: str = "nvfp4") -> float:
-    """The per-tensor k/v decode scale ModelOpt exports for an NVFP4 KV cache:
-    amax / (6 · E4M3 ceiling), as NVFP4QTensor.get_weights_scaling_factor_2."""
+    """The per-tensor k/v decode scale that uses the whole E4M3 range for block scales:
+    amax / (6 · E4M3 ceiling), as ModelOpt's NVFP4QTensor.get_weights_scaling_factor_2.
+
+    Not what every producer writes: ModelOpt 0.47's Hugging Face export writes amax / 448
+    for NVFP4 KV caches as for FP8 (modelopt/torch/export/unified_export_hf.py,
+    `kv_cache_max_bound = 448`). vLLM 0.33 hands k_scale to FlashInfer as the global decode
+    scale (value = e2m1 · block scale · k_scale; flashinfer 0.7.2 page.py), so such a
+    scale clips nothing but leaves block scales at most 448 / 6 and underflows small
+    blocks six times sooner. Which convention each engine expects is issue 34's open part.
+    """
     return absmax / (6.0 * NVFP4_BLOCK_MAX[kv_cache_dtype])
 
 
