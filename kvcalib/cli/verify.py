@@ -16,6 +16,7 @@ from kvcalib.cli._options import (
     info,
 )
 from kvcalib.cli._output import engine_command_output
+from kvcalib.engine.targets import TARGETS
 from kvcalib.verify.options import EngineOptions
 
 LogDir = folder_option("Folder for vLLM's logs (default: beside --json, else "
@@ -31,8 +32,8 @@ def verify(
     target: Annotated[list[str] | None, typer.Option(
         "--target", callback=comma_separated,
         help="Serving targets to gate on (repeat or use commas; `all`: every one): exit 1 "
-             "unless each serves the scales as calibrated. Names: kvcalib targets or "
-             "docs/targets.md. Without it the common targets are shown, gating nothing."
+             "unless each serves the scales as calibrated. Without it the common targets "
+             f"are shown, gating nothing. Targets (docs/targets.md): {', '.join(TARGETS)}."
     )] = None,
     json_path: JsonOut = None,
     junit: JunitOut = None,
